@@ -1,0 +1,1 @@
+"""fusible_ops (work in progress)."""

@@ -1,0 +1,95 @@
+"""Kernel layer: Triton kernels, each beside a pure-torch ``*_ref`` twin.
+
+Dispatch rule (one place, used by every kernel family):
+
+* ``"auto"`` (default): CUDA tensors run Triton, CPU tensors run the ``*_ref``.
+* ``"reference"``: always run the ``*_ref`` (useful to debug a fused op).
+* ``"triton"``: always run Triton. On CPU tensors this needs Triton's interpreter,
+  i.e. ``TRITON_INTERPRET=1`` in the environment *before* ``triton`` is imported.
+  CI uses it to exercise every kernel's indexing and masking on small shapes.
+
+The mode is set with :func:`use` (a context manager) or, process-wide, with the
+environment variable ``FUSIBLE_OPS_KERNELS`` (``auto`` | ``triton`` | ``reference``).
+
+This is a subpackage (``fusible_ops.kernels``), not a top-level ``kernels`` package,
+so it never shadows the PyPI distribution named ``kernels``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+
+_MODES = ("auto", "triton", "reference")
+_state = threading.local()
+
+try:  # Triton is optional on platforms without it (macOS, Windows).
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only without triton
+    HAS_TRITON = False
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton's CPU interpreter is on (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _env_mode() -> str:
+    mode = os.environ.get("FUSIBLE_OPS_KERNELS", "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"FUSIBLE_OPS_KERNELS={mode!r}; expected one of {_MODES}")
+    return mode
+
+
+def current_mode() -> str:
+    """The active dispatch mode: ``"auto"``, ``"triton"`` or ``"reference"``."""
+    return getattr(_state, "mode", None) or _env_mode()
+
+
+@contextlib.contextmanager
+def use(mode: str):
+    """Force a kernel backend inside the ``with`` block.
+
+    ``use("triton")`` on CPU tensors requires ``TRITON_INTERPRET=1`` set before
+    ``triton`` was imported; otherwise a clear ``RuntimeError`` is raised at the
+    first kernel call.
+    """
+    if mode not in _MODES:
+        raise ValueError(f"kernels.use({mode!r}): expected one of {_MODES}")
+    previous = getattr(_state, "mode", None)
+    _state.mode = mode
+    try:
+        yield
+    finally:
+        _state.mode = previous
+
+
+def use_triton(*tensors: torch.Tensor | None) -> bool:
+    """Decide whether a kernel call on ``tensors`` runs Triton (True) or the ``*_ref``.
+
+    All non-None tensors must be on one device (callers check that first).
+    """
+    mode = current_mode()
+    if mode == "reference":
+        return False
+    device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+    if mode == "auto":
+        return HAS_TRITON and device.type == "cuda"
+    # mode == "triton"
+    if not HAS_TRITON:
+        raise RuntimeError("fusible_ops.kernels.use('triton'): triton is not installed")
+    if device.type != "cuda" and not interpreter_enabled():
+        raise RuntimeError(
+            "fusible_ops.kernels.use('triton') on CPU tensors needs Triton's interpreter: "
+            "set TRITON_INTERPRET=1 before importing triton"
+        )
+    return True
+
+
+__all__ = ["HAS_TRITON", "current_mode", "interpreter_enabled", "use", "use_triton"]

@@ -1,0 +1,37 @@
+"""Test configuration shared by the whole suite.
+
+* Without CUDA, Triton's interpreter is switched on *before* triton is imported, so
+  ``fusible_ops.kernels.use("triton")`` can run every kernel on CPU tensors.
+* Tests marked ``gpu`` are skipped without CUDA.
+* Hypothesis runs a fixed, derandomized profile (``ci``) with bounded examples.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    max_examples=25,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("dev", max_examples=200, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
