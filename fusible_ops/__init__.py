@@ -1,1 +1,28 @@
-"""fusible_ops (work in progress)."""
+"""fusible_ops: fusible PyTorch training ops.
+
+Chain basic ops in a :class:`Sequential`; its fuser replaces runs of adjacent ops by fused ops
+(declarative rules, see :func:`register_fusion`), all under one gradient contract
+(:mod:`fusible_ops.grad`).
+"""
+
+from . import kernels
+from .fuser import OperationFuser
+from .grad import delayed_wgrad, flush_wgrad
+from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
+from .ops import (
+    GEGLU, GELU, AddExtraInput, BasicLinear, Bias, ConstantScale, Dropout, GroupedLinear, Identity, LayerNorm,
+    Linear, MakeExtraOutput, ReGLU, ReLU, Reshape, RMSNorm, ScaledSwiGLU, SiLU, SwiGLU,
+)
+from .rules import FusionContext, RuleSet, match, register_fusion
+from .sequential import Sequential
+from . import fusion_rules  # noqa: E402  (registers the built-in rules)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AddExtraInput", "BasicLinear", "BasicOperation", "Bias", "ConstantScale", "Dropout", "FusedOperation",
+    "FusibleOperation", "FusionContext", "GEGLU", "GELU", "GroupedLinear", "Identity", "LayerNorm", "Linear",
+    "MakeExtraOutput", "OperationContext", "OperationFuser", "ReGLU", "ReLU", "Reshape", "RMSNorm", "RuleSet",
+    "ScaledSwiGLU", "SiLU", "Sequential", "SwiGLU", "delayed_wgrad", "flush_wgrad", "fusion_rules", "kernels",
+    "match", "register_fusion",
+]

@@ -1,0 +1,261 @@
+"""OperationFuser: runs a run of basic ops as ONE ``torch.autograd.Function``.
+
+Forward and backward are planned separately by the shared matcher in :mod:`fusible_ops.rules`:
+joint rules first (they fix a span in both plans), then forward rules and backward rules on
+what is left. Every plan is verified to expand back to exactly the basic ops, in order.
+
+Plans are cached under a key of everything a rule may depend on: grad mode, each op's
+training flag and ``plan_key()``, which parameters and inputs require grad, dtype, device, the
+quantization recipe, and the rule set's version (registrations, ``disabled(...)``). A
+steady-state call computes the key and finds its plan: no pattern matching happens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .op import BasicOperation, OperationContext
+from .rules import Decline, FusionContext, Group, RuleSet, disabled_epoch, global_rules, plan_pass
+
+
+def current_recipe() -> Any:
+    """The active quantization recipe (``None`` until FP8 support lands)."""
+    return None
+
+
+@dataclasses.dataclass
+class Plan:
+    forward: list[Group]
+    backward: list[Group]
+    declines: dict[str, list[Decline]]
+    # bookkeeping derived once per plan
+    requires_grad: bool
+    input_requires_grad: list[bool]
+    weight_requires_grad: list[bool]
+    backward_stop: int  # backward groups whose last op index < backward_stop are skipped
+
+
+def _verify(ops: Sequence[BasicOperation], groups: list[Group], pass_: str) -> None:
+    expanded = [op for g in groups for op in g.op.basic_ops]
+    indices = [i for g in groups for i in g.indices]
+    ok = indices == list(range(len(ops))) and len(expanded) == len(ops)
+    ok = ok and all(a is b for a, b in zip(expanded, ops))
+    if not ok:
+        raise RuntimeError(
+            f"fusion plan ({pass_}) does not expand to the basic ops in order:\n"
+            f"  basic ops: {[type(op).__name__ for op in ops]}\n"
+            f"  plan:      {[(g.label, [type(o).__name__ for o in g.op.basic_ops]) for g in groups]}"
+        )
+
+
+class OperationFuser:
+    """Runs ``ops`` (basic ops, in order) as one autograd node with fused forward/backward."""
+
+    def __init__(self, ops: Sequence[BasicOperation], rules: Optional[RuleSet] = None) -> None:
+        ops = list(ops)
+        for op in ops:
+            if not isinstance(op, BasicOperation):
+                raise TypeError(f"OperationFuser takes basic ops, got {type(op).__name__}")
+        self.ops = ops
+        self.rules = rules
+        self._num_extra_inputs = [op.num_extra_inputs for op in ops]
+        self._num_extra_outputs = [op.num_extra_outputs for op in ops]
+        self.num_extra_inputs = sum(self._num_extra_inputs)
+        self.num_extra_outputs = sum(self._num_extra_outputs)
+        self._plans: dict[tuple, Plan] = {}
+        self.num_plans_made = 0
+
+    # -- planning ----------------------------------------------------------------------
+    def _rule_set(self) -> RuleSet:
+        return self.rules if self.rules is not None else global_rules()
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for op in self.ops for p in op._parameters.values() if p is not None]
+
+    def _key(self, x: torch.Tensor, extra_inputs: Sequence, params: Sequence[torch.Tensor]) -> tuple:
+        rs = self._rule_set()
+        return (
+            torch.is_grad_enabled(),
+            x.dtype,
+            x.device,
+            x.requires_grad,
+            tuple(p.requires_grad for p in params),
+            tuple(isinstance(e, torch.Tensor) and e.requires_grad for e in extra_inputs),
+            tuple(op.training for op in self.ops),
+            tuple(op.plan_key() for op in self.ops),
+            current_recipe(),
+            rs.version,
+            disabled_epoch(),
+        )
+
+    def plan_for(self, x: torch.Tensor, extra_inputs: Sequence = ()) -> Plan:
+        """The (cached) plan for a call with these inputs."""
+        params = self._params()
+        key = self._key(x, extra_inputs, params)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._make_plan(x, extra_inputs)
+            self._plans[key] = plan
+        return plan
+
+    def _make_plan(self, x: torch.Tensor, extra_inputs: Sequence) -> Plan:
+        self.num_plans_made += 1
+        ops = self.ops
+        grad_on = torch.is_grad_enabled()
+        extras = self._split_extra(extra_inputs)
+        op_trainable = [any(p.requires_grad for p in op.parameters()) for op in ops]
+        op_extra_grad = [any(isinstance(e, torch.Tensor) and e.requires_grad for e in ex) for ex in extras]
+        requires_grad = grad_on and (x.requires_grad or any(op_trainable) or any(op_extra_grad))
+        input_rg, need = [], x.requires_grad
+        for i in range(len(ops)):
+            input_rg.append(requires_grad and need)
+            need = need or op_trainable[i] or op_extra_grad[i]
+        # Backward must run group g only if some op at or before g's last index needs a grad.
+        needs_grad_at = [input_rg[i] or op_trainable[i] or op_extra_grad[i] for i in range(len(ops))]
+        backward_stop = next((i for i, n in enumerate(needs_grad_at) if n), len(ops))
+
+        rs = self._rule_set()
+        base = dict(
+            dtype=x.dtype,
+            device=x.device,
+            recipe=current_recipe(),
+            requires_grad=requires_grad,
+            training=any(op.training for op in ops),
+        )
+        joint, joint_declines = [], []
+        if requires_grad:
+            joint, joint_declines = plan_pass(ops, rs.rules("joint"), FusionContext(pass_="joint", **base))
+            joint = [g for g in joint if g.rule is not None]
+        taken = {g.indices[0]: g for g in joint}
+        fwd, fwd_declines = plan_pass(ops, rs.rules("forward"), FusionContext(pass_="forward", **base), taken)
+        if requires_grad:
+            bwd, bwd_declines = plan_pass(ops, rs.rules("backward"), FusionContext(pass_="backward", **base), taken)
+        else:
+            bwd, bwd_declines = [], []
+        _verify(ops, fwd, "forward")
+        if requires_grad:
+            _verify(ops, bwd, "backward")
+        return Plan(
+            forward=fwd,
+            backward=bwd,
+            declines={"joint": joint_declines, "forward": fwd_declines, "backward": bwd_declines},
+            requires_grad=requires_grad,
+            input_requires_grad=input_rg,
+            weight_requires_grad=[requires_grad and t for t in op_trainable],
+            backward_stop=backward_stop,
+        )
+
+    def _split_extra(self, extra_inputs: Sequence) -> list[tuple]:
+        out, k = [], 0
+        for n in self._num_extra_inputs:
+            out.append(tuple(extra_inputs[k : k + n]))
+            k += n
+        return out
+
+    # -- running -----------------------------------------------------------------------
+    def __call__(self, x: torch.Tensor, *extra_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"fuser input must be a tensor, got {type(x).__name__}")
+        if len(extra_inputs) != self.num_extra_inputs:
+            names = [type(op).__name__ for op, n in zip(self.ops, self._num_extra_inputs) if n]
+            raise TypeError(
+                f"expected {self.num_extra_inputs} extra input(s) (for {names}), got {len(extra_inputs)}"
+            )
+        params = self._params()
+        plan = self.plan_for(x, extra_inputs)
+        outs = _FuserFunction.apply(x, self, plan, len(extra_inputs), *extra_inputs, *params)
+        if self.num_extra_outputs == 0:
+            return outs[0]
+        return tuple(outs)
+
+
+class _FuserFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(func_ctx, x, fuser: OperationFuser, plan: Plan, num_extra: int, *args):
+        ops = fuser.ops
+        extra_inputs = fuser._split_extra(args[:num_extra])
+        ctxs = []
+        for i in range(len(ops)):
+            c = OperationContext()
+            c.requires_grad = plan.requires_grad
+            c.input_requires_grad = plan.input_requires_grad[i]
+            c.weight_requires_grad = plan.weight_requires_grad[i]
+            ctxs.append(c)
+        kwargs = [
+            {
+                "next_op_input_quantizer": ops[i + 1].input_quantizer() if i + 1 < len(ops) else None,
+                "prev_op_grad_output_quantizer": ops[i - 1].grad_output_quantizer() if i > 0 else None,
+            }
+            for i in range(len(ops))
+        ]
+        extra_outputs: list[tuple] = [()] * len(ops)
+        y = x
+        for g in plan.forward:
+            idx = g.indices
+            y, ex = g.op.fuser_forward(
+                [ctxs[i] for i in idx],
+                y,
+                extra_inputs=[extra_inputs[i] for i in idx],
+                basic_op_kwargs=[kwargs[i] for i in idx],
+            )
+            for i, e in zip(idx, ex):
+                extra_outputs[i] = tuple(e)
+        flat_extra_out = [t for e in extra_outputs for t in e]
+        func_ctx.fuser = fuser
+        func_ctx.plan = plan
+        func_ctx.op_ctxs = ctxs
+        func_ctx.num_extra = num_extra
+        func_ctx.x_requires_grad = x.requires_grad
+        # An output that is an input (or another output) gets its own alias so autograd can
+        # attach a distinct grad_fn to it.
+        seen = {id(x)} | {id(a) for a in args}
+        outs = []
+        for t in (y, *flat_extra_out):
+            if id(t) in seen:
+                t = t.view_as(t)
+            seen.add(id(t))
+            outs.append(t)
+        non_diff = [t for t in outs if not t.is_floating_point()]
+        if non_diff:
+            func_ctx.mark_non_differentiable(*non_diff)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(func_ctx, dy, *grad_extra_outputs_flat):
+        fuser: OperationFuser = func_ctx.fuser
+        plan: Plan = func_ctx.plan
+        ctxs = func_ctx.op_ctxs
+        ops = fuser.ops
+        n = len(ops)
+        grad_extra_out: list[tuple] = []
+        k = 0
+        for m in fuser._num_extra_outputs:
+            grad_extra_out.append(tuple(grad_extra_outputs_flat[k : k + m]))
+            k += m
+        param_grads: list[tuple] = [tuple(None for _ in op._parameters.values() if _ is not None) for op in ops]
+        grad_extra_in: list[tuple] = [tuple(None for _ in range(m)) for m in fuser._num_extra_inputs]
+        for g in reversed(plan.backward):
+            idx = g.indices
+            if idx[-1] < plan.backward_stop:
+                dy = None
+                break
+            dy, pg, ge = g.op.fuser_backward(
+                [ctxs[i] for i in idx], dy, grad_extra_outputs=[grad_extra_out[i] for i in idx]
+            )
+            for j, i in enumerate(idx):
+                pg_i = tuple(pg[j])
+                if len(pg_i) != len(param_grads[i]):
+                    raise RuntimeError(
+                        f"{type(g.op).__name__}.fuser_backward returned {len(pg_i)} param grads for "
+                        f"{type(ops[i]).__name__}, which has {len(param_grads[i])} parameters"
+                    )
+                param_grads[i] = pg_i
+                grad_extra_in[i] = tuple(ge[j]) if ge[j] is not None else grad_extra_in[i]
+                ctxs[i].release()
+        dx = dy if func_ctx.x_requires_grad else None
+        flat_pg = [t for p in param_grads for t in p]
+        flat_ge = [t for e in grad_extra_in for t in e]
+        return (dx, None, None, None, *flat_ge, *flat_pg)

@@ -1,0 +1,186 @@
+"""The one gradient contract for every op that owns a weight (and every fused op computing
+their weight gradients). All weight gradients go through :func:`deliver_weight_grad`.
+
+The table (W = the weight parameter; "returned" = what the op gives autograd for W):
+
+====================  ===========================  ==========================================
+accumulate_into_      W has                        result
+main_grad             ``grad_added_to_main_grad``
+====================  ===========================  ==========================================
+False                 (ignored)                    returned: the gradient; autograd adds it to
+                                                   an existing ``W.grad``
+True                  no                           GEMM adds into ``W.main_grad`` (overwrites if
+                                                   ``W.overwrite_main_grad``); returned: None
+True                  yes                          as above, then ``W.grad_added_to_main_grad =
+                                                   True``; returned: a cached dummy (zeros if
+                                                   ``W.zero_out_wgrad``, else uninitialized)
+====================  ===========================  ==========================================
+
+Delayed (``delay_wgrad_compute=True`` or inside :func:`delayed_wgrad`): returned: None at
+backward; the work is queued on the op and done by ``op.backward_dw()`` (or
+:func:`flush_wgrad`), which writes into main_grad per the table, or adds into ``W.grad``
+(never assigns over an existing one), then runs the op's wgrad hooks. While work is pending
+``W.skip_backward_post_hook = True``. Frozen W (``requires_grad=False``): no work at all, no
+main_grad needed. Biases always go through autograd.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, Optional
+
+import torch
+
+# compute(out, accumulate) -> Tensor: computes dW (shape of W). With `out` given it writes
+# into `out` (adding if `accumulate`) and returns it; with out=None it returns a new tensor.
+WgradCompute = Callable[[Optional[torch.Tensor], bool], torch.Tensor]
+
+_sched_lock = threading.Lock()
+_sched_depth = [0]  # process-wide: autograd runs CUDA backward on its own threads
+_sched_ops: dict[int, object] = {}  # id -> op, ops with scheduler-queued work, in order
+
+
+@contextlib.contextmanager
+def delayed_wgrad():
+    """Delay every weight gradient computed inside (e.g. around ``loss.backward()``);
+    :func:`flush_wgrad` computes them later."""
+    with _sched_lock:
+        _sched_depth[0] += 1
+    try:
+        yield
+    finally:
+        with _sched_lock:
+            _sched_depth[0] -= 1
+
+
+def scheduler_active() -> bool:
+    return _sched_depth[0] > 0
+
+
+def flush_wgrad() -> None:
+    """Compute every weight gradient delayed by :func:`delayed_wgrad`, in the order queued."""
+    with _sched_lock:
+        ops = list(_sched_ops.values())
+        _sched_ops.clear()
+    for op in ops:
+        op.backward_dw()
+
+
+def main_grad_of(op, param: torch.Tensor, shape: Optional[tuple] = None) -> torch.Tensor:
+    """``param.main_grad``, validated: present, and viewable as ``shape`` (default: the
+    param's shape) without a copy. Returns that view."""
+    name = type(op).__name__
+    mg = getattr(param, "main_grad", None)
+    if mg is None:
+        raise RuntimeError(
+            f"{name}: accumulate_into_main_grad=True but the weight has no main_grad buffer "
+            f"(attach weight.main_grad, e.g. a float32 tensor of shape {tuple(param.shape)})"
+        )
+    shape = tuple(shape) if shape is not None else tuple(param.shape)
+    if mg.device != param.device:
+        raise RuntimeError(f"{name}: main_grad is on {mg.device}, weight on {param.device}")
+    try:
+        view = mg.view(shape)
+    except RuntimeError:
+        view = None
+    if view is None or mg.numel() != _prod(shape) or not view.is_contiguous():
+        raise RuntimeError(
+            f"{name}: main_grad must be one contiguous buffer viewable as {list(shape)} without a copy; "
+            f"got shape {list(mg.shape)} with stride {list(mg.stride())}"
+        )
+    return view
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _dummy_grad(op, param: torch.Tensor) -> torch.Tensor:
+    """A cached stand-in gradient for autograd once the real one is in main_grad."""
+    zero = bool(getattr(param, "zero_out_wgrad", False))
+    cache = op.__dict__.setdefault("_dummy_wgrads", {})
+    key = (id(param), zero, param.dtype, param.device, tuple(param.shape))
+    d = cache.get(key)
+    if d is None:
+        d = torch.zeros_like(param) if zero else torch.empty_like(param)
+        cache[key] = d
+    return d
+
+
+def _apply_now(op, param: torch.Tensor, compute: WgradCompute, *, delayed: bool) -> Optional[torch.Tensor]:
+    """Run ``compute`` per the table. Returns what autograd gets (immediate) or None (delayed)."""
+    if op.accumulate_into_main_grad:
+        mg = main_grad_of(op, param, getattr(op, "main_grad_shape", None))
+        compute(mg, not bool(getattr(param, "overwrite_main_grad", False)))
+        if hasattr(param, "grad_added_to_main_grad"):
+            param.grad_added_to_main_grad = True
+            return None if delayed else _dummy_grad(op, param)
+        return None
+    if delayed:
+        with torch.no_grad():
+            if param.grad is None:
+                param.grad = compute(None, False).to(param.dtype)
+            else:
+                compute(param.grad, True)
+        return None
+    return compute(None, False)
+
+
+def deliver_weight_grad(op, param: torch.Tensor, compute: WgradCompute) -> Optional[torch.Tensor]:
+    """The single entry point for a weight gradient. Call it in backward only when the weight
+    requires grad. Returns what the op returns to autograd for ``param``."""
+    if op.delay_wgrad_compute or scheduler_active():
+        pending = op.__dict__.setdefault("_pending_wgrads", [])
+        pending.append((param, compute))
+        param.skip_backward_post_hook = True
+        if not op.delay_wgrad_compute:
+            with _sched_lock:
+                _sched_ops.setdefault(id(op), op)
+        return None
+    return _apply_now(op, param, compute, delayed=False)
+
+
+class WeightGradMixin:
+    """Adds the contract's flags, ``backward_dw`` and wgrad hooks to a weight-owning op.
+
+    The op sets ``accumulate_into_main_grad`` and ``delay_wgrad_compute`` in its constructor
+    (via :meth:`_init_wgrad`) and routes every weight gradient through
+    :func:`deliver_weight_grad`.
+    """
+
+    def _init_wgrad(self, accumulate_into_main_grad: bool, delay_wgrad_compute: bool) -> None:
+        self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
+        self.delay_wgrad_compute = bool(delay_wgrad_compute)
+        self.__dict__["_pending_wgrads"] = []
+        self.__dict__["_wgrad_hooks"] = []
+
+    def register_wgrad_hook(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Register ``fn()`` to run after each ``backward_dw()`` that computed something.
+        Returns a function that removes the hook."""
+        hooks = self.__dict__["_wgrad_hooks"]
+        hooks.append(fn)
+        return lambda: hooks.remove(fn) if fn in hooks else None
+
+    def has_pending_wgrad(self) -> bool:
+        return bool(self.__dict__.get("_pending_wgrads"))
+
+    def backward_dw(self) -> None:
+        """Compute every queued weight gradient, in order, then run the wgrad hooks once.
+        Does nothing when nothing is pending."""
+        pending = self.__dict__.get("_pending_wgrads")
+        if not pending:
+            return
+        self.__dict__["_pending_wgrads"] = []
+        params = []
+        for param, compute in pending:
+            _apply_now(self, param, compute, delayed=True)
+            if not any(p is param for p in params):
+                params.append(param)
+        for p in params:
+            p.skip_backward_post_hook = False
+        for fn in list(self.__dict__["_wgrad_hooks"]):
+            fn()

@@ -1,0 +1,222 @@
+"""Operation base classes: the contracts every basic and fused op follows.
+
+Vocabulary
+----------
+* A **basic op** (:class:`BasicOperation`) is one step of math (a linear, a bias add, an
+  activation...). It is a ``torch.nn.Module`` and owns all parameters and state.
+* A **fused op** (:class:`FusedOperation`) replaces a run of adjacent basic ops with fewer
+  kernels. It holds no parameters or state of its own; it references the basic ops it
+  replaces (``basic_ops``), so a checkpoint is identical with fusion on or off.
+* Both expose ``fuser_forward`` / ``fuser_backward``, which the
+  :class:`~fusible_ops.fuser.OperationFuser` calls. All list arguments hold one entry per
+  basic op covered, in order.
+
+What must hold (the contract)
+-----------------------------
+* ``ctxs[i]`` is the :class:`OperationContext` of ``basic_ops[i]``. Whatever runs a basic op's
+  forward (the op itself, or a fused op) must leave in its ctx exactly what that op's own
+  backward reads, so forward and backward fusions can be planned independently. A fused op
+  whose forward and backward are only equivalent as a pair is registered as a ``"joint"`` rule.
+* ``fuser_forward`` returns ``(y, extra_outputs)``; ``extra_outputs[i]`` is a tuple with
+  ``basic_ops[i].num_extra_outputs`` tensors.
+* ``fuser_backward`` returns ``(dx, param_grads, grad_extra_inputs)``; ``param_grads[i]`` is a
+  tuple with one entry per parameter of ``basic_ops[i]`` in ``parameters()`` order (``None``
+  where no gradient goes to autograd), ``grad_extra_inputs[i]`` one entry per extra input.
+  ``dx`` may be ``None`` when ``ctxs[0].input_requires_grad`` is False.
+* A weight that does not require grad costs no weight-gradient work and forward saves nothing
+  that only its gradient needs (see :mod:`fusible_ops.grad`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+
+class OperationContext:
+    """Per-basic-op state carried from forward to backward.
+
+    Attributes set by the fuser before ``fuser_forward`` runs:
+
+    * ``requires_grad``: autograd will run backward through this op.
+    * ``input_requires_grad``: a gradient is needed for this op's input (the fuser's input
+      requires grad, or an earlier op has trainable parameters or extra inputs needing grad).
+    * ``weight_requires_grad``: this op has at least one parameter that requires grad.
+
+    Ops may set any other attribute they need in backward.
+    """
+
+    def __init__(self) -> None:
+        self.requires_grad = False
+        self.input_requires_grad = False
+        self.weight_requires_grad = False
+        self._saved: tuple = ()
+
+    def save_for_backward(self, *tensors: Optional[torch.Tensor]) -> None:
+        """Keep tensors (or ``None``) for backward. Replaces anything saved before."""
+        self._saved = tensors
+
+    @property
+    def saved_tensors(self) -> tuple:
+        return self._saved
+
+    def release(self) -> None:
+        """Drop saved tensors (called by the fuser once this op's backward has run)."""
+        self._saved = ()
+
+
+class FusibleOperation(torch.nn.Module):
+    """Common interface of basic and fused ops."""
+
+    @property
+    def is_fused_op(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def basic_ops(self) -> tuple["BasicOperation", ...]:
+        raise NotImplementedError
+
+    def fuser_forward(
+        self,
+        ctxs: list[OperationContext],
+        x: torch.Tensor,
+        *,
+        extra_inputs: list[tuple[torch.Tensor, ...]],
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+        """Forward over the covered basic ops. See the module docstring for what must hold.
+
+        ``kwargs`` holds ``basic_op_kwargs``: a list with one dict per basic op of keyword
+        arguments for its ``op_forward`` (quantizer hand-off; all entries have defaults).
+        """
+        raise NotImplementedError
+
+    def fuser_backward(
+        self,
+        ctxs: list[OperationContext],
+        dy: torch.Tensor,
+        *,
+        grad_extra_outputs: list[tuple[Optional[torch.Tensor], ...]],
+        **kwargs: Any,
+    ) -> tuple[Optional[torch.Tensor], list[tuple], list[tuple]]:
+        """Backward over the covered basic ops. See the module docstring for what must hold."""
+        raise NotImplementedError
+
+
+class BasicOperation(FusibleOperation):
+    """A single step of math that owns its parameters and state.
+
+    Simple ops implement ``op_forward(ctx, x, **kwargs) -> y`` and
+    ``op_backward(ctx, dy) -> (dx, param_grads)``. Ops with extra inputs or outputs set
+    ``num_extra_inputs`` / ``num_extra_outputs`` and override ``fuser_forward`` /
+    ``fuser_backward`` instead.
+
+    Ops may also define ``reference_forward(x, *extra_inputs)`` in plain differentiable
+    PyTorch: the test helpers use it to check the op's math independently of its kernels.
+
+    Calling the op directly (``op(x, *extra_inputs)``) runs it as a one-op fuser.
+    """
+
+    num_extra_inputs: int = 0
+    num_extra_outputs: int = 0
+
+    @property
+    def is_fused_op(self) -> bool:
+        return False
+
+    @property
+    def basic_ops(self) -> tuple["BasicOperation", ...]:
+        return (self,)
+
+    # -- quantization hand-off (FP8 lands in a later issue: None until then) ---------
+    def input_quantizer(self) -> Any:
+        """Quantizer this op wants its input in (``None``: plain tensors)."""
+        return None
+
+    def grad_output_quantizer(self) -> Any:
+        """Quantizer this op wants its output's gradient in (``None``: plain tensors)."""
+        return None
+
+    # -- planning hooks ----------------------------------------------------------------
+    def plan_key(self) -> tuple:
+        """Op state a fusion rule may depend on, beyond the fuser's own key (e.g. a flag).
+
+        Included in the plan cache key; keep it cheap (a tuple of scalars).
+        """
+        return ()
+
+    # -- simple-op interface -----------------------------------------------------------
+    def op_forward(self, ctx: OperationContext, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement op_forward or fuser_forward")
+
+    def op_backward(self, ctx: OperationContext, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], tuple]:
+        raise NotImplementedError(f"{type(self).__name__} must implement op_backward or fuser_backward")
+
+    def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
+        if self.num_extra_inputs or self.num_extra_outputs:
+            raise NotImplementedError(f"{type(self).__name__} has extra inputs/outputs: override fuser_forward")
+        op_kwargs = _op_kwargs(kwargs)
+        return self.op_forward(ctxs[0], x, **op_kwargs), [()]
+
+    def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
+        dx, param_grads = self.op_backward(ctxs[0], dy)
+        return dx, [tuple(param_grads)], [()]
+
+    # -- module call -------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
+        from .fuser import OperationFuser  # local import: fuser depends on this module
+
+        fuser = self.__dict__.get("_self_fuser")
+        if fuser is None:
+            fuser = OperationFuser([self])
+            self.__dict__["_self_fuser"] = fuser
+        return fuser(x, *extra_inputs)
+
+    def extra_repr(self) -> str:
+        return ""
+
+
+def _op_kwargs(kwargs: dict) -> dict:
+    """The per-op keyword arguments for a basic op's ``op_forward`` (non-None entries only)."""
+    per_op = kwargs.get("basic_op_kwargs")
+    if not per_op:
+        return {}
+    return {k: v for k, v in per_op[0].items() if v is not None}
+
+
+class FusedOperation(FusibleOperation):
+    """An op that replaces a run of basic ops. Holds no parameters or state of its own.
+
+    The basic ops are kept in a plain tuple (not as submodules), so fused ops never add
+    parameters or state-dict entries.
+    """
+
+    def __init__(self, basic_ops) -> None:
+        super().__init__()
+        ops = tuple(basic_ops)
+        if not ops or not all(isinstance(op, BasicOperation) for op in ops):
+            raise TypeError("FusedOperation needs a non-empty sequence of BasicOperation")
+        self.__dict__["_basic_ops"] = ops
+
+    @property
+    def is_fused_op(self) -> bool:
+        return True
+
+    @property
+    def basic_ops(self) -> tuple[BasicOperation, ...]:
+        return self.__dict__["_basic_ops"]
+
+    def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
+        """Run the covered basic ops as one fuser (planned with the global rules)."""
+        from .fuser import OperationFuser
+
+        fuser = self.__dict__.get("_self_fuser")
+        if fuser is None:
+            fuser = OperationFuser(list(self.basic_ops))
+            self.__dict__["_self_fuser"] = fuser
+        return fuser(x, *extra_inputs)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(type(op).__name__ for op in self.basic_ops)
+        return f"{type(self).__name__}({inner})"

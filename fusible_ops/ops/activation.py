@@ -1,0 +1,194 @@
+"""Activations: ReLU, GELU, SiLU and the gated SwiGLU, GEGLU, ReGLU, ScaledSwiGLU.
+
+Gated ops split the input's last dim in two halves; the FIRST half goes through the activation
+and multiplies the second. On CUDA the math runs Triton kernels
+(:mod:`fusible_ops.kernels.activation`), on CPU their ``*_ref`` twins.
+
+Context contract (what fused ops must leave in an activation's ctx): ``saved_tensors == (x,)``
+with ``x`` the activation's input *before* an optional folded bias, and ``ctx.act_bias`` that
+bias (``None`` when no bias was folded in). The activation's backward recomputes
+``z = x + act_bias`` on the fly, so a fused bias+activation forward never writes ``z``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..op import BasicOperation
+from ._common import check_input
+
+
+def _kernels():
+    from ..kernels import activation
+
+    return activation
+
+
+class Activation(BasicOperation):
+    """Base class of the elementwise activations. ``kind`` names the kernel's activation."""
+
+    kind: str = ""
+    gated: bool = False
+
+    def _check(self, x: torch.Tensor) -> None:
+        check_input(self, x)
+        if self.gated and (x.dim() == 0 or x.shape[-1] % 2 != 0):
+            raise ValueError(f"{type(self).__name__}: the input's last dim must be even, got shape {list(x.shape)}")
+
+    def out_features(self, n: int) -> int:
+        return n // 2 if self.gated else n
+
+    @classmethod
+    def _example(cls, n: int, **factory):
+        op = cls()
+        return op, op.out_features(n)
+
+    def save_ctx(self, ctx, x: torch.Tensor, bias=None) -> None:
+        if ctx.input_requires_grad:
+            ctx.save_for_backward(x)
+        ctx.act_bias = bias
+
+    def op_forward(self, ctx, x, **kwargs):
+        self._check(x)
+        y = _kernels().bias_act_fwd(x, None, self.kind)
+        self.save_ctx(ctx, x)
+        return y
+
+    def op_backward(self, ctx, dy):
+        if not ctx.input_requires_grad:
+            return None, ()
+        (x,) = ctx.saved_tensors
+        dx, _ = _kernels().bias_act_bwd(dy, x, ctx.act_bias, self.kind, False)
+        return dx, ()
+
+
+def _gelu(x, approximate):
+    return torch.nn.functional.gelu(x, approximate=approximate)
+
+
+class ReLU(Activation):
+    kind = "relu"
+
+    def reference_forward(self, x):
+        return torch.relu(x)
+
+
+class GELU(Activation):
+    """GELU; ``approximate="none"`` (erf) or ``"tanh"``."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+        self.kind = "gelu" if approximate == "none" else "gelu_tanh"
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+    def reference_forward(self, x):
+        return _gelu(x, self.approximate)
+
+
+class SiLU(Activation):
+    kind = "silu"
+
+    def reference_forward(self, x):
+        return torch.nn.functional.silu(x)
+
+
+class _Gated(Activation):
+    gated = True
+
+    def _act(self, a):
+        raise NotImplementedError
+
+    def reference_forward(self, x):
+        a, b = x.chunk(2, dim=-1)
+        return self._act(a) * b
+
+
+class SwiGLU(_Gated):
+    kind = "swiglu"
+
+    def _act(self, a):
+        return torch.nn.functional.silu(a)
+
+
+class ReGLU(_Gated):
+    kind = "reglu"
+
+    def _act(self, a):
+        return torch.relu(a)
+
+
+class GEGLU(_Gated):
+    """GEGLU; ``approximate="none"`` (erf) or ``"tanh"``."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GEGLU: approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+        self.kind = "geglu" if approximate == "none" else "geglu_tanh"
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+    def _act(self, a):
+        return _gelu(a, self.approximate)
+
+
+class ScaledSwiGLU(BasicOperation):
+    """``swiglu(x) * scales[..., None]``; extra input ``scales`` (one per row, e.g. MoE routing
+    probabilities), shape ``x.shape[:-1]`` (or flat with one entry per row). The scales get a
+    gradient when they require one."""
+
+    num_extra_inputs = 1
+    kind = "scaled_swiglu"
+    gated = True
+
+    @classmethod
+    def _example(cls, n: int, **factory):
+        return cls(), n // 2
+
+    def check_scales(self, x: torch.Tensor, scales) -> torch.Tensor:
+        check_input(self, x)
+        if x.dim() == 0 or x.shape[-1] % 2 != 0:
+            raise ValueError(f"ScaledSwiGLU: the input's last dim must be even, got shape {list(x.shape)}")
+        if not isinstance(scales, torch.Tensor) or not scales.is_floating_point():
+            raise TypeError("ScaledSwiGLU: scales must be a floating-point tensor")
+        if scales.device != x.device:
+            raise RuntimeError(f"ScaledSwiGLU: scales are on {scales.device} but the input is on {x.device}")
+        rows = math.prod(x.shape[:-1])
+        if scales.numel() != rows:
+            raise ValueError(
+                f"ScaledSwiGLU: scales need one entry per row ({rows}), got shape {list(scales.shape)}"
+            )
+        return scales.reshape(x.shape[:-1])
+
+    def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
+        ctx = ctxs[0]
+        scales = self.check_scales(x, extra_inputs[0][0])
+        y = _kernels().scaled_swiglu_fwd(x, scales)
+        ctx.scales_requires_grad = ctx.requires_grad and scales.requires_grad
+        if ctx.input_requires_grad or ctx.scales_requires_grad:
+            ctx.save_for_backward(x, scales)
+        return y, [()]
+
+    def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
+        ctx = ctxs[0]
+        if not (ctx.input_requires_grad or ctx.scales_requires_grad):
+            return None, [()], [(None,)]
+        x, scales = ctx.saved_tensors
+        dx, dscales = _kernels().scaled_swiglu_bwd(dy, x, scales, ctx.scales_requires_grad)
+        return (dx if ctx.input_requires_grad else None), [()], [(dscales,)]
+
+    def reference_forward(self, x, scales):
+        a, b = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(a) * b * scales.reshape(x.shape[:-1]).unsqueeze(-1).to(x.dtype)
+
+
+ACTIVATION_CLASSES = (ReLU, GELU, SiLU, SwiGLU, GEGLU, ReGLU)

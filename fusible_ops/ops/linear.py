@@ -1,0 +1,204 @@
+"""BasicLinear, Bias, and Linear (BasicLinear + Bias with torch.nn.Linear's init and names)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..grad import WeightGradMixin, deliver_weight_grad
+from ..op import BasicOperation, FusedOperation
+from ._common import check_input, gemm_wgrad
+
+
+class BasicLinear(WeightGradMixin, BasicOperation):
+    """``y = x @ weight.T`` with ``weight`` [out_features, in_features]. No bias (see :class:`Bias`).
+
+    Gradient contract flags (see :mod:`fusible_ops.grad` and the README table):
+    ``accumulate_into_main_grad``, ``delay_wgrad_compute``. A frozen weight
+    (``requires_grad=False``) costs no weight-gradient GEMM and its input is not saved.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        device=None,
+        dtype=None,
+        accumulate_into_main_grad: bool = False,
+        delay_wgrad_compute: bool = False,
+    ) -> None:
+        super().__init__()
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"BasicLinear: sizes must be positive, got ({in_features}, {out_features})")
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self._init_wgrad(accumulate_into_main_grad, delay_wgrad_compute)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # torch.nn.Linear's init
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+    @classmethod
+    def _example(cls, n: int, **factory):
+        return cls(n, n + 3, **factory), n + 3
+
+    # forward/backward pieces shared with fused ops ------------------------------------
+    def _check(self, x: torch.Tensor) -> None:
+        check_input(self, x, features=self.in_features, like=self.weight)
+
+    def save_ctx(self, ctx, x: torch.Tensor) -> None:
+        """What backward needs: x only for the weight gradient, the weight only for dgrad."""
+        ctx.save_for_backward(
+            x if ctx.weight_requires_grad and self.weight.requires_grad else None,
+            self.weight if ctx.input_requires_grad else None,
+        )
+        ctx.input_shape = x.shape
+
+    def op_forward(self, ctx, x, **kwargs):
+        self._check(x)
+        y = torch.nn.functional.linear(x, self.weight)
+        if ctx.requires_grad:
+            self.save_ctx(ctx, x)
+        return y
+
+    def op_backward(self, ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = None
+        if ctx.input_requires_grad:
+            dx = (dy.reshape(-1, self.out_features) @ w).reshape(ctx.input_shape)
+        dw = None
+        if x is not None:
+            dy2d = dy.reshape(-1, self.out_features)
+            x2d = x.reshape(-1, self.in_features)
+            dw = deliver_weight_grad(self, self.weight, lambda out, acc: gemm_wgrad(dy2d, x2d, out, acc))
+        return dx, (dw,)
+
+    def reference_forward(self, x):
+        return torch.nn.functional.linear(x, self.weight)
+
+
+class Bias(BasicOperation):
+    """``y = x + bias`` over the last dim; ``bias`` [size]. Its gradient always goes through
+    autograd; a frozen bias costs no reduction."""
+
+    def __init__(self, size: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.size = int(size)
+        self.bias = torch.nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}"
+
+    @classmethod
+    def _example(cls, n: int, **factory):
+        op = cls(n, **factory)
+        with torch.no_grad():
+            op.bias.uniform_(-1, 1)
+        return op, n
+
+    def _check(self, x):
+        check_input(self, x, features=self.size, like=self.bias)
+
+    def op_forward(self, ctx, x, **kwargs):
+        self._check(x)
+        ctx.bias_requires_grad = ctx.requires_grad and self.bias.requires_grad
+        return x + self.bias
+
+    def op_backward(self, ctx, dy):
+        db = dy.reshape(-1, self.size).sum(0) if ctx.bias_requires_grad else None
+        return (dy if ctx.input_requires_grad else None), (db,)
+
+    def reference_forward(self, x):
+        return x + self.bias
+
+
+class Linear(FusedOperation):
+    """``torch.nn.Linear`` as fusible ops: :class:`BasicLinear` followed by :class:`Bias`.
+
+    Same init and parameter names (``weight``, ``bias``) as ``torch.nn.Linear``, so checkpoints
+    are interchangeable. The parameters are owned by the basic ops and only exposed here.
+    Takes the gradient-contract flags of :class:`BasicLinear`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        device=None,
+        dtype=None,
+        accumulate_into_main_grad: bool = False,
+        delay_wgrad_compute: bool = False,
+    ) -> None:
+        linear = BasicLinear(
+            in_features,
+            out_features,
+            device=device,
+            dtype=dtype,
+            accumulate_into_main_grad=accumulate_into_main_grad,
+            delay_wgrad_compute=delay_wgrad_compute,
+        )
+        ops = [linear]
+        if bias:
+            b = Bias(out_features, device=device, dtype=dtype)
+            bound = 1 / math.sqrt(in_features)
+            with torch.no_grad():
+                b.bias.uniform_(-bound, bound)  # torch.nn.Linear's bias init
+            ops.append(b)
+        super().__init__(ops)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = linear.weight
+        if bias:
+            self.bias = ops[1].bias
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def _example(cls, n: int, **factory):
+        return cls(n, n + 2, **factory), n + 2
+
+    def __setattr__(self, name, value):
+        # Keep the basic ops' parameters and ours the same objects (e.g. load / reassign).
+        if name == "weight" and "_basic_ops" in self.__dict__ and isinstance(value, torch.nn.Parameter):
+            self.basic_ops[0].weight = value
+        if name == "bias" and "_basic_ops" in self.__dict__ and isinstance(value, torch.nn.Parameter):
+            if len(self.basic_ops) > 1:
+                self.basic_ops[1].bias = value
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse=True):
+        # .to()/.cuda() may replace parameters: re-share them with the basic ops.
+        for op in self.basic_ops:
+            op._apply(fn, recurse)
+        self._parameters["weight"] = self.basic_ops[0].weight
+        if len(self.basic_ops) > 1:
+            self._parameters["bias"] = self.basic_ops[1].bias
+        return self
+
+    # weight-gradient contract delegates to the BasicLinear
+    def backward_dw(self) -> None:
+        self.basic_ops[0].backward_dw()
+
+    def register_wgrad_hook(self, fn):
+        return self.basic_ops[0].register_wgrad_hook(fn)
+
+    @property
+    def accumulate_into_main_grad(self) -> bool:
+        return self.basic_ops[0].accumulate_into_main_grad
+
+    @property
+    def delay_wgrad_compute(self) -> bool:
+        return self.basic_ops[0].delay_wgrad_compute
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

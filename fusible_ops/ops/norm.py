@@ -1,0 +1,111 @@
+"""LayerNorm and RMSNorm over the last dim. Parameters may be float32 while the input is
+bf16/fp16 (the math runs in fp32; the output has the input's dtype).
+
+Context contract: ``saved_tensors == (xsum, weight, mean, rstd)`` (``mean`` is ``None`` for
+RMSNorm) where ``xsum`` is the normalized tensor (the input, or input + residual when a fused
+residual add precedes the norm); ``ctx.weight_grad`` / ``ctx.bias_grad`` say which parameter
+gradients to compute (a frozen one costs no reduction).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..op import BasicOperation
+from ._common import check_input
+
+
+def _kernels():
+    from ..kernels import norm
+
+    return norm
+
+
+class _Norm(BasicOperation):
+    def __init__(self, size: int, eps: float = 1e-5, *, device=None, dtype=None, bias: bool) -> None:
+        super().__init__()
+        if size <= 0:
+            raise ValueError(f"{type(self).__name__}: size must be positive, got {size}")
+        self.size = int(size)
+        self.eps = float(eps)
+        self.weight = torch.nn.Parameter(torch.ones(size, device=device, dtype=dtype))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
+
+    def extra_repr(self) -> str:
+        return f"{self.size}, eps={self.eps}"
+
+    @classmethod
+    def _example(cls, n: int, **factory):
+        op = cls(n, **factory)
+        with torch.no_grad():
+            for p in op.parameters():
+                p.uniform_(0.5, 1.5)
+        return op, n
+
+    def _check(self, x: torch.Tensor) -> None:
+        check_input(self, x, features=self.size, like=self.weight, same_dtype=False)
+
+    def norm_forward(self, ctx, x: torch.Tensor, residual=None):
+        """Run the (optionally residual-fused) forward and fill ``ctx``. Returns (y, xsum)."""
+        raise NotImplementedError
+
+    def op_forward(self, ctx, x, **kwargs):
+        self._check(x)
+        y, _ = self.norm_forward(ctx, x)
+        return y
+
+    def op_backward(self, ctx, dy):
+        return self.norm_backward(ctx, dy)
+
+
+class LayerNorm(_Norm):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim of size ``size``."""
+
+    def __init__(self, size: int, eps: float = 1e-5, *, device=None, dtype=None) -> None:
+        super().__init__(size, eps, device=device, dtype=dtype, bias=True)
+
+    def norm_forward(self, ctx, x, residual=None):
+        y, mean, rstd, xsum = _kernels().layernorm_fwd(x, self.weight, self.bias, self.eps, residual)
+        if ctx.requires_grad:
+            ctx.save_for_backward(xsum, self.weight, mean, rstd)
+            ctx.weight_grad = self.weight.requires_grad
+            ctx.bias_grad = self.bias.requires_grad
+        return y, xsum
+
+    def norm_backward(self, ctx, dy, dxsum_extra=None):
+        xsum, w, mean, rstd = ctx.saved_tensors
+        dx, dw, db = _kernels().layernorm_bwd(dy, xsum, w, mean, rstd, ctx.weight_grad, ctx.bias_grad, dxsum_extra)
+        return dx, (dw, db)
+
+    def reference_forward(self, x):
+        return torch.nn.functional.layer_norm(
+            x.to(self.weight.dtype), (self.size,), self.weight, self.bias, self.eps
+        ).to(x.dtype)
+
+
+class RMSNorm(_Norm):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim of size ``size``."""
+
+    def __init__(self, size: int, eps: float = 1e-5, *, device=None, dtype=None) -> None:
+        super().__init__(size, eps, device=device, dtype=dtype, bias=False)
+
+    def norm_forward(self, ctx, x, residual=None):
+        y, rstd, xsum = _kernels().rmsnorm_fwd(x, self.weight, self.eps, residual)
+        if ctx.requires_grad:
+            ctx.save_for_backward(xsum, self.weight, None, rstd)
+            ctx.weight_grad = self.weight.requires_grad
+        return y, xsum
+
+    def norm_backward(self, ctx, dy, dxsum_extra=None):
+        xsum, w, _, rstd = ctx.saved_tensors
+        dx, dw = _kernels().rmsnorm_bwd(dy, xsum, w, rstd, ctx.weight_grad, dxsum_extra)
+        return dx, (dw,)
+
+    def reference_forward(self, x):
+        xf = x.to(torch.promote_types(x.dtype, self.weight.dtype))
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return y.to(x.dtype)
+
+
+NORM_CLASSES = (LayerNorm, RMSNorm)

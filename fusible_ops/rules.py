@@ -1,0 +1,280 @@
+"""Declarative, scoped, explainable fusion rules.
+
+A rule is data: a name, a pattern (an ordered list of matchers), a pass (``"forward"``,
+``"backward"`` or ``"joint"``), an optional checker that may decline with a reason, a builder
+that returns the :class:`~fusible_ops.op.FusedOperation`, and a priority. One shared matcher
+(:func:`plan_pass`) applies a whole set of rules deterministically: highest priority first, then
+the longest match, then the leftmost.
+
+Rules live in a :class:`RuleSet`. The global set (:func:`global_rules`) holds the built-in rules
+(registered in :mod:`fusible_ops.fusion_rules`) and whatever users add with
+:func:`register_fusion`. A ``Sequential(..., rules=rs)`` uses only ``rs``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+PASSES = ("forward", "backward", "joint")
+
+_epoch = itertools.count(1)
+_disabled: dict[str, int] = {}  # name -> nesting count, for fusion_rules.disabled
+_disabled_epoch = [0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Matcher:
+    """Matches one basic op: an instance of ``op_class`` for which ``where(op)`` is true."""
+
+    op_class: Union[type, tuple]
+    where: Optional[Callable[[Any], bool]] = None
+
+    def matches(self, op) -> bool:
+        return isinstance(op, self.op_class) and (self.where is None or bool(self.where(op)))
+
+    def __repr__(self) -> str:
+        cls = self.op_class
+        names = "|".join(c.__name__ for c in cls) if isinstance(cls, tuple) else cls.__name__
+        return f"{names}[where]" if self.where is not None else names
+
+
+def match(op_class: Union[type, tuple], where: Optional[Callable[[Any], bool]] = None) -> Matcher:
+    """A pattern element: an op of ``op_class`` (a class or tuple of classes) with ``where(op)`` true."""
+    return Matcher(op_class, where)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionContext:
+    """What a checker may look at besides the matched ops (all fixed for one cached plan)."""
+
+    dtype: Optional[torch.dtype]
+    device: Optional[torch.device]
+    recipe: Any
+    requires_grad: bool  # backward will run through the fuser
+    training: bool
+    pass_: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionRule:
+    name: str
+    pattern: tuple[Matcher, ...]
+    pass_: str
+    build: Callable[[list], Any]
+    check: Optional[Callable[[list, FusionContext], Union[bool, str, None]]] = None
+    priority: int = 0
+
+    def structural_match(self, ops: Sequence, start: int) -> bool:
+        n = len(self.pattern)
+        if start + n > len(ops):
+            return False
+        return all(m.matches(ops[start + i]) for i, m in enumerate(self.pattern))
+
+    def decline_reason(self, ops: list, ctx: FusionContext) -> Optional[str]:
+        """``None`` if the checker accepts; else the reason string it gave."""
+        if self.check is None:
+            return None
+        verdict = self.check(ops, ctx)
+        if verdict is None or verdict is True:
+            return None
+        if verdict is False:
+            return "declined by checker"
+        return str(verdict)
+
+
+def _as_matcher(m) -> Matcher:
+    if isinstance(m, Matcher):
+        return m
+    if isinstance(m, type) or (isinstance(m, tuple) and all(isinstance(c, type) for c in m)):
+        return Matcher(m)
+    raise TypeError(f"pattern element {m!r}: expected an op class or fusible_ops.match(...)")
+
+
+class RuleSet:
+    """An ordered collection of fusion rules. ``RuleSet()`` is empty;
+    ``RuleSet.builtin()`` is a copy of the built-in rules."""
+
+    def __init__(self) -> None:
+        self._rules: dict[str, FusionRule] = {}
+        self.version = next(_epoch)
+
+    @classmethod
+    def builtin(cls) -> "RuleSet":
+        from . import fusion_rules  # noqa: F401  (registers the built-in rules)
+
+        rs = cls()
+        rs._rules = {k: v for k, v in _BUILTIN._rules.items()}
+        return rs
+
+    def register(self, name: str, pattern=None, *, pass_: str, build: Callable = None, check=None, priority: int = 0):
+        """Add a rule. Usable directly, or as a class decorator (``build`` defaults to the class).
+
+        ``pattern`` is a list of op classes or :func:`match` objects; ``pass_`` is ``"forward"``,
+        ``"backward"`` or ``"joint"``; ``build(ops)`` gets the matched basic ops as a list and
+        returns a ``FusedOperation``; ``check(ops, ctx)`` returns ``None``/``True`` to accept,
+        or a reason string (or ``False``) to decline. Re-registering a name replaces the rule.
+        """
+        if pass_ not in PASSES:
+            raise ValueError(f"rule {name!r}: pass_ must be one of {PASSES}, got {pass_!r}")
+        if pattern is None or len(pattern) == 0:
+            raise ValueError(f"rule {name!r}: empty pattern")
+        matchers = tuple(_as_matcher(m) for m in pattern)
+
+        def add(builder):
+            if not callable(builder):
+                raise TypeError(f"rule {name!r}: build must be callable")
+            self._rules[name] = FusionRule(name, matchers, pass_, builder, check, int(priority))
+            self.version = next(_epoch)
+            return builder
+
+        if build is None:
+            return add  # decorator form
+        add(build)
+        return build
+
+    def unregister(self, name: str) -> None:
+        del self._rules[name]
+        self.version = next(_epoch)
+
+    def rules(self, pass_: Optional[str] = None) -> list[FusionRule]:
+        return [r for r in self._rules.values() if pass_ is None or r.pass_ == pass_]
+
+    def names(self) -> list[str]:
+        return list(self._rules)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._rules
+
+    def __len__(self) -> int:
+        return len(self._rules)
+
+    def __repr__(self) -> str:
+        return f"RuleSet({', '.join(self._rules)})"
+
+
+_BUILTIN = RuleSet()  # filled by fusible_ops.fusion_rules
+_GLOBAL = RuleSet()  # built-ins plus user registrations
+
+
+def builtin_registry() -> RuleSet:
+    return _BUILTIN
+
+
+def global_rules() -> RuleSet:
+    """The rule set used by a ``Sequential`` made without ``rules=``."""
+    return _GLOBAL
+
+
+def _register_builtin(name: str, pattern, *, pass_: str, build: Callable, check=None, priority: int = 0):
+    """Register a built-in rule (in the built-in set and the global set)."""
+    _BUILTIN.register(name, pattern, pass_=pass_, build=build, check=check, priority=priority)
+    _GLOBAL.register(name, pattern, pass_=pass_, build=build, check=check, priority=priority)
+
+
+def register_fusion(name: str, pattern=None, *, pass_: str, build: Callable = None, check=None, priority: int = 0):
+    """Register a fusion rule in the global set (see :meth:`RuleSet.register`)."""
+    return _GLOBAL.register(name, pattern, pass_=pass_, build=build, check=check, priority=priority)
+
+
+@contextlib.contextmanager
+def disabled(*names: str):
+    """Disable the named rules (in every rule set) inside the ``with`` block."""
+    for n in names:
+        _disabled[n] = _disabled.get(n, 0) + 1
+    _disabled_epoch[0] = next(_epoch)
+    try:
+        yield
+    finally:
+        for n in names:
+            _disabled[n] -= 1
+            if _disabled[n] == 0:
+                del _disabled[n]
+        _disabled_epoch[0] = next(_epoch)
+
+
+def disabled_epoch() -> int:
+    return _disabled_epoch[0]
+
+
+# --------------------------------------------------------------------------------------
+# The one matcher.
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One entry of a plan: a rule's fused op over ``indices``, or a lone basic op."""
+
+    rule: Optional[str]
+    indices: tuple[int, ...]
+    op: Any  # the FusedOperation, or the BasicOperation itself
+
+    @property
+    def label(self) -> str:
+        return self.rule if self.rule is not None else type(self.op).__name__
+
+
+@dataclasses.dataclass(frozen=True)
+class Decline:
+    rule: str
+    indices: tuple[int, ...]
+    reason: str
+
+
+MATCH_STATS = {"calls": 0}  # incremented on every pattern-matching pass (tests read it)
+
+
+def plan_pass(
+    ops: Sequence,
+    rules: list[FusionRule],
+    ctx: FusionContext,
+    taken: Optional[dict[int, Group]] = None,
+) -> tuple[list[Group], list[Decline]]:
+    """Apply ``rules`` to ``ops``: repeatedly take the best accepted match among free positions
+    (priority desc, length desc, start asc). ``taken`` maps start index -> pre-placed group
+    (joint fusions) whose positions are not free. Returns the groups in order and the declines.
+    """
+    MATCH_STATS["calls"] += 1
+    n = len(ops)
+    busy = [False] * n
+    groups: dict[int, Group] = {}
+    for start, g in (taken or {}).items():
+        groups[start] = g
+        for i in g.indices:
+            busy[i] = True
+    declines: dict[tuple[str, int], Decline] = {}
+    rules = [r for r in rules if r.name not in _disabled]
+    while True:
+        best = None
+        for rule in rules:
+            length = len(rule.pattern)
+            for start in range(n - length + 1):
+                if any(busy[start : start + length]) or not rule.structural_match(ops, start):
+                    continue
+                key = (-rule.priority, -length, start, rule.name)
+                matched = list(ops[start : start + length])
+                reason = rule.decline_reason(matched, ctx)
+                if reason is not None:
+                    declines[(rule.name, start)] = Decline(rule.name, tuple(range(start, start + length)), reason)
+                    continue
+                if best is None or key < best[0]:
+                    best = (key, rule, start, matched)
+        if best is None:
+            break
+        _, rule, start, matched = best
+        fused = rule.build(matched)
+        if fused is None:
+            raise RuntimeError(f"fusion rule {rule.name!r}: build returned None")
+        idx = tuple(range(start, start + len(matched)))
+        groups[start] = Group(rule.name, idx, fused)
+        for i in idx:
+            busy[i] = True
+    for i in range(n):
+        if not busy[i]:
+            groups[i] = Group(None, (i,), ops[i])
+    ordered = [groups[k] for k in sorted(groups)]
+    accepted_spans = {(g.rule, g.indices[0]) for g in ordered if g.rule is not None}
+    return ordered, [d for k, d in declines.items() if k not in accepted_spans]
