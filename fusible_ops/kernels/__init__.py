@@ -4,7 +4,8 @@ Dispatch rule (one place, used by every kernel family):
 
 * ``"auto"`` (default): CUDA tensors run Triton, CPU tensors run the ``*_ref``.
 * ``"reference"``: always run the ``*_ref`` (useful to debug a fused op).
-* ``"triton"``: always run Triton. On CPU tensors this needs Triton's interpreter,
+* ``"triton"``: always run Triton (except float64, the reference precision, which always
+  runs the ``*_ref``). On CPU tensors this needs Triton's interpreter,
   i.e. ``TRITON_INTERPRET=1`` in the environment *before* ``triton`` is imported.
   CI uses it to exercise every kernel's indexing and masking on small shapes.
 
@@ -73,10 +74,13 @@ def use(mode: str):
 def use_triton(*tensors: torch.Tensor | None) -> bool:
     """Decide whether a kernel call on ``tensors`` runs Triton (True) or the ``*_ref``.
 
-    All non-None tensors must be on one device (callers check that first).
+    All non-None tensors must be on one device (callers check that first). float64 is the
+    reference precision: it always runs the ``*_ref`` (the kernels serve fp32/fp16/bf16).
     """
     mode = current_mode()
     if mode == "reference":
+        return False
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
         return False
     device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
     if mode == "auto":

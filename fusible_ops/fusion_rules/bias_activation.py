@@ -1,0 +1,167 @@
+"""Linear + bias + activation (+ dropout) forward, and activation + bias (+ dropout) backward.
+
+Forward (``ForwardLinearBiasActivation``): the GEMM runs through torch (cuBLAS on CUDA); bias,
+activation and dropout run in ONE Triton pass over its output (reference math on CPU). The
+pre-bias GEMM output is what the activation's ctx keeps (with ``act_bias``), so the biased
+pre-activation is never written.
+
+Backward (``BackwardBiasActivation``): the activation gradient (after regenerating the dropout
+mask) and the bias gradient (a column reduction) in ONE Triton pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..op import FusedOperation
+from ..ops.activation import ACTIVATION_CLASSES, Activation
+from ..ops.linear import BasicLinear, Bias
+from ..ops.misc import Dropout
+from ..rules import _register_builtin, match
+
+
+def _kernels():
+    from ..kernels import activation
+
+    return activation
+
+
+def _split(ops):
+    """Name the roles of the matched ops: (linear, bias, act, dropout), each possibly None."""
+    roles = {"linear": None, "bias": None, "act": None, "dropout": None}
+    for op in ops:
+        if isinstance(op, BasicLinear):
+            roles["linear"] = op
+        elif isinstance(op, Bias):
+            roles["bias"] = op
+        elif isinstance(op, Activation):
+            roles["act"] = op
+        elif isinstance(op, Dropout):
+            roles["dropout"] = op
+    return roles
+
+
+class ForwardLinearBiasActivation(FusedOperation):
+    """Forward of ``[BasicLinear] [Bias] [activation] [Dropout]`` (any contiguous subset that the
+    rules below match). Fills each basic op's ctx exactly as the op's own forward would."""
+
+    def __init__(self, ops) -> None:
+        super().__init__(ops)
+        self.roles = _split(ops)
+
+    def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
+        r = self.roles
+        ctx_of = {id(op): ctx for op, ctx in zip(self.basic_ops, ctxs)}
+        lin, bias, act, drop = r["linear"], r["bias"], r["act"], r["dropout"]
+        if lin is not None:
+            lin._check(x)
+            if act is None:  # linear + bias only: one GEMM with the bias in its epilogue
+                _check_bias_for(bias, lin, x)
+                y = torch.nn.functional.linear(x, lin.weight, bias.bias)
+                self._fill_bias_ctx(ctx_of[id(bias)], bias)
+                if ctx_of[id(lin)].requires_grad:
+                    lin.save_ctx(ctx_of[id(lin)], x)
+                return y, [() for _ in ctxs]
+            z = torch.nn.functional.linear(x, lin.weight)
+            if ctx_of[id(lin)].requires_grad:
+                lin.save_ctx(ctx_of[id(lin)], x)
+        else:
+            z = x
+        b = None
+        if bias is not None:
+            bias._check(z)
+            self._fill_bias_ctx(ctx_of[id(bias)], bias)
+            b = bias.bias
+        act._check(z)
+        p, seed = 0.0, 0
+        if drop is not None:
+            dctx = ctx_of[id(drop)]
+            dctx.dropout_active = drop.active
+            if drop.active:
+                p, seed = drop.p, drop.draw_seed()
+                dctx.seed = seed
+        y = _kernels().bias_act_fwd(z, b, act.kind, dropout_p=p, seed=seed)
+        act.save_ctx(ctx_of[id(act)], z, bias=b)
+        return y, [() for _ in ctxs]
+
+    @staticmethod
+    def _fill_bias_ctx(ctx, bias) -> None:
+        ctx.bias_requires_grad = ctx.requires_grad and bias.bias.requires_grad
+
+
+class BackwardBiasActivation(FusedOperation):
+    """Backward of ``[Bias] activation [Dropout]``: dropout mask regenerated, activation gradient
+    and bias column sum in one pass."""
+
+    def __init__(self, ops) -> None:
+        super().__init__(ops)
+        self.roles = _split(ops)
+
+    def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
+        ctx_of = {id(op): ctx for op, ctx in zip(self.basic_ops, ctxs)}
+        bias, act, drop = self.roles["bias"], self.roles["act"], self.roles["dropout"]
+        actx = ctx_of[id(act)]
+        p, seed = 0.0, 0
+        if drop is not None and ctx_of[id(drop)].dropout_active:
+            p, seed = drop.p, ctx_of[id(drop)].seed
+        need_dbias = bias is not None and ctx_of[id(bias)].bias_requires_grad
+        grads = []
+        if not actx.saved_tensors:  # nothing before needs a gradient
+            dz, db = None, None
+        else:
+            (x,) = actx.saved_tensors
+            dz, db = _kernels().bias_act_bwd(dy, x, actx.act_bias, act.kind, need_dbias, dropout_p=p, seed=seed)
+            if db is not None and db.dtype != bias.bias.dtype:
+                db = db.to(bias.bias.dtype)
+        for op in self.basic_ops:
+            grads.append((db,) if op is bias else ())
+        dx = dz if ctxs[0].input_requires_grad else None
+        return dx, grads, [() for _ in ctxs]
+
+
+def _check_bias_for(bias, lin, x) -> None:
+    """The checks Bias would make on the GEMM output, without computing it first."""
+    if bias.size != lin.out_features:
+        raise ValueError(f"Bias: size {bias.size} does not match BasicLinear out_features {lin.out_features}")
+    if bias.bias.device != x.device:
+        raise RuntimeError(f"Bias: input is on {x.device} but the op's parameters are on {bias.bias.device}")
+    if bias.bias.dtype != x.dtype:
+        raise TypeError(f"Bias: input dtype {x.dtype} does not match parameter dtype {bias.bias.dtype}")
+
+
+def _check_forward(ops, ctx):
+    roles = _split(ops)
+    drop = roles["dropout"]
+    if drop is not None and not drop.active:
+        return "dropout is inactive (eval mode or p=0): nothing to fuse into"
+    if ctx.device is not None and ctx.device.type == "cuda" and ctx.dtype == torch.float64:
+        return "float64 on CUDA: the Triton kernels serve fp32/fp16/bf16"
+    return None
+
+
+def _check_backward(ops, ctx):
+    return _check_forward(ops, ctx)
+
+
+_ACT = match(ACTIVATION_CLASSES)
+_build_fwd = ForwardLinearBiasActivation
+_build_bwd = BackwardBiasActivation
+
+# Forward rules (longest match wins; priority equal).
+_register_builtin("linear_bias_activation_dropout", [BasicLinear, Bias, _ACT, Dropout],
+                  pass_="forward", build=_build_fwd, check=_check_forward)
+_register_builtin("linear_bias_activation", [BasicLinear, Bias, _ACT],
+                  pass_="forward", build=_build_fwd, check=_check_forward)
+_register_builtin("linear_bias", [BasicLinear, Bias], pass_="forward", build=_build_fwd, check=_check_forward)
+_register_builtin("bias_activation_dropout", [Bias, _ACT, Dropout],
+                  pass_="forward", build=_build_fwd, check=_check_forward)
+_register_builtin("bias_activation", [Bias, _ACT], pass_="forward", build=_build_fwd, check=_check_forward)
+_register_builtin("activation_dropout", [_ACT, Dropout], pass_="forward", build=_build_fwd, check=_check_forward)
+
+# Backward rules.
+_register_builtin("bias_activation_dropout_backward", [Bias, _ACT, Dropout],
+                  pass_="backward", build=_build_bwd, check=_check_backward)
+_register_builtin("activation_bias_backward", [Bias, _ACT],
+                  pass_="backward", build=_build_bwd, check=_check_backward)
+_register_builtin("activation_dropout_backward", [_ACT, Dropout],
+                  pass_="backward", build=_build_bwd, check=_check_backward)
