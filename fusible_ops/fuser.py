@@ -204,6 +204,14 @@ class _FuserFunction(torch.autograd.Function):
             for i, e in zip(idx, ex):
                 extra_outputs[i] = tuple(e)
         flat_extra_out = [t for e in extra_outputs for t in e]
+        if plan.requires_grad:
+            # Route every op's saved tensors through autograd (saved-tensor hooks, offloading,
+            # in-place modification checks all see them); ctxs get them back in backward.
+            counts = [len(c._saved) for c in ctxs]
+            func_ctx.save_for_backward(*[t for c in ctxs for t in c._saved])
+            func_ctx.saved_counts = counts
+            for c in ctxs:
+                c._saved = ()
         func_ctx.fuser = fuser
         func_ctx.plan = plan
         func_ctx.op_ctxs = ctxs
@@ -235,6 +243,10 @@ class _FuserFunction(torch.autograd.Function):
         for m in fuser._num_extra_outputs:
             grad_extra_out.append(tuple(grad_extra_outputs_flat[k : k + m]))
             k += m
+        saved, k = func_ctx.saved_tensors, 0
+        for c, m in zip(ctxs, func_ctx.saved_counts):
+            c._saved = tuple(saved[k : k + m])
+            k += m
         param_grads: list[tuple] = [tuple(None for _ in op._parameters.values() if _ is not None) for op in ops]
         grad_extra_in: list[tuple] = [tuple(None for _ in range(m)) for m in fuser._num_extra_inputs]
         for g in reversed(plan.backward):
@@ -256,6 +268,8 @@ class _FuserFunction(torch.autograd.Function):
                 grad_extra_in[i] = tuple(ge[j]) if ge[j] is not None else grad_extra_in[i]
                 ctxs[i].release()
         dx = dy if func_ctx.x_requires_grad else None
-        flat_pg = [t for p in param_grads for t in p]
-        flat_ge = [t for e in grad_extra_in for t in e]
+        needs = func_ctx.needs_input_grad
+        first = 4 + func_ctx.num_extra
+        flat_pg = [t if needs[first + j] else None for j, t in enumerate(t for p in param_grads for t in p)]
+        flat_ge = [t if needs[4 + j] else None for j, t in enumerate(t for e in grad_extra_in for t in e)]
         return (dx, None, None, None, *flat_ge, *flat_pg)

@@ -177,7 +177,8 @@ class WeightGradMixin:
         self.__dict__["_pending_wgrads"] = []
         params = []
         for param, compute in pending:
-            _apply_now(self, param, compute, delayed=True)
+            with torch.no_grad():
+                _apply_now(self, param, compute, delayed=True)
             if not any(p is param for p in params):
                 params.append(param)
         for p in params:
