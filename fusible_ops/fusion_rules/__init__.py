@@ -5,6 +5,6 @@ Built-in rule names: see ``fusible_ops.RuleSet.builtin().names()``.
 """
 
 from ..rules import disabled
-from . import bias_activation, residual_norm  # noqa: F401  (register the built-in rules)
+from . import bias_activation, grouped_mlp, residual_norm  # noqa: F401  (register the built-in rules)
 
-__all__ = ["disabled", "bias_activation", "residual_norm"]
+__all__ = ["disabled", "bias_activation", "grouped_mlp", "residual_norm"]

@@ -100,7 +100,7 @@ class GroupedLinear(WeightGradMixin, BasicOperation):
 
     @classmethod
     def _example(cls, n: int, **factory):
-        return cls(3, n, n + 1, **factory), n + 1
+        return cls(3, n, 2 * n, **factory), 2 * n
 
     # shared with fused ops ---------------------------------------------------------------
     def prepare(self, x: torch.Tensor, split_sizes) -> tuple[torch.Tensor, torch.Tensor]:

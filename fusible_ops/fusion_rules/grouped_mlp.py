@@ -1,0 +1,116 @@
+"""Fused grouped MLP (MoE experts): ``GroupedLinear -> SwiGLU | GEGLU | ScaledSwiGLU -> GroupedLinear``.
+
+Joint rule (forward and backward only equivalent as a pair):
+
+* forward: FC1 with the activation in its epilogue (one launch writes the FC1 output ``h`` and
+  the activation ``y``), then FC2 (one launch). ``h`` is kept for backward; ``y`` is not (the
+  backward recomputes it in an epilogue, where it is nearly free).
+* backward: FC2's input gradient with the activation gradient in its epilogue (gives ``dh`` and
+  ``y``; the FC2 input gradient itself is never written), then FC2's weight gradient from ``y``,
+  FC1's input and weight gradients from ``dh``: one grouped-GEMM launch each.
+
+Weight gradients follow the gradient contract exactly (:func:`fusible_ops.grad.deliver_weight_grad`):
+main_grad, overwrite, dummy-or-None, delayed, and no work at all for a frozen expert weight.
+Without grad (inference) the forward-only rule ``grouped_mlp_forward`` applies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..grad import deliver_weight_grad
+from ..op import FusedOperation
+from ..ops.activation import GEGLU, ScaledSwiGLU, SwiGLU
+from ..ops.grouped_linear import GroupedLinear, check_split_sizes
+from ..rules import _register_builtin, match
+
+
+def _mlp():
+    from ..kernels import grouped_gemm, grouped_mlp
+
+    return grouped_gemm, grouped_mlp
+
+
+class FusedGroupedMLP(FusedOperation):
+    """Forward and backward of ``GroupedLinear -> GLU -> GroupedLinear``."""
+
+    def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
+        gg, gm = _mlp()
+        fc1, act, fc2 = self.basic_ops
+        c1, ca, c2 = ctxs
+        scaled = isinstance(act, ScaledSwiGLU)
+        x2d, splits = fc1.prepare(x, extra_inputs[0][0])
+        s2 = extra_inputs[2][0]
+        if s2 is not extra_inputs[0][0]:
+            splits2 = check_split_sizes(fc2, s2, fc2.num_groups, x2d.shape[0], x.device)
+            if splits2.is_cuda:
+                torch._assert_async((splits2 == splits).all(), "fused grouped MLP: FC1 and FC2 split sizes differ")
+            elif not torch.equal(splits2, splits):
+                raise ValueError("fused grouped MLP: FC1 and FC2 split sizes differ")
+        scales = None
+        if scaled:
+            scales = act.check_scales(x.new_empty(x2d.shape[0], 2 * fc2.in_features), extra_inputs[1][0])
+        y, h = gm.grouped_glu_fwd(x2d, fc1.weight, splits, fc1.bias, act.kind, scales)
+        out = gg.grouped_gemm_fwd(y, fc2.weight, splits, fc2.bias)
+        if c1.requires_grad:
+            fc1.save_ctx(c1, x2d, splits, x.shape)
+            ca.save_for_backward(h, scales)
+            ca.scales_requires_grad = scaled and scales.requires_grad
+            fc2.save_ctx(c2, None, splits, y.shape)
+            c2.fc2_weight_grad = c2.weight_requires_grad and fc2.weight.requires_grad
+        return out.reshape(*x.shape[:-1], fc2.out_features), [(), (), ()]
+
+    def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
+        gg, gm = _mlp()
+        fc1, act, fc2 = self.basic_ops
+        c1, ca, c2 = ctxs
+        x2d, w1, splits = c1.saved_tensors
+        h, scales = ca.saved_tensors
+        _, w2, _ = c2.saved_tensors
+        dy2 = dy.reshape(-1, fc2.out_features)
+        need_dh = c1.input_requires_grad or x2d is not None or c1.bias_requires_grad or ca.scales_requires_grad
+        dh = dscales = None
+        if need_dh or c2.fc2_weight_grad:
+            dh, y, dscales = gm.grouped_dglu(dy2, w2 if w2 is not None else fc2.weight, splits, h, act.kind,
+                                              scales, ca.scales_requires_grad)
+        dw2 = None
+        if c2.fc2_weight_grad:
+            dw2 = deliver_weight_grad(fc2, fc2.weight,
+                                      lambda out, acc: gg.grouped_gemm_wgrad(dy2, y, splits, out=out, accumulate=acc))
+        db2 = gg.grouped_bias_grad(dy2, splits) if c2.bias_requires_grad else None
+        dx = None
+        if c1.input_requires_grad:
+            dx = gg.grouped_gemm_dgrad(dh, w1, splits).reshape(c1.input_shape)
+        dw1 = None
+        if x2d is not None:
+            dw1 = deliver_weight_grad(fc1, fc1.weight,
+                                      lambda out, acc: gg.grouped_gemm_wgrad(dh, x2d, splits, out=out, accumulate=acc))
+        db1 = gg.grouped_bias_grad(dh, splits) if c1.bias_requires_grad else None
+        g1 = (dw1, db1) if fc1.bias is not None else (dw1,)
+        g2 = (dw2, db2) if fc2.bias is not None else (dw2,)
+        if dscales is not None:
+            dscales = dscales.to(scales.dtype).reshape(scales.shape)
+        extra_act = (dscales,) if isinstance(act, ScaledSwiGLU) else ()
+        return dx, [g1, (), g2], [(None,), extra_act, (None,)]
+
+
+def _check(ops, ctx):
+    fc1, act, fc2 = ops
+    if fc1.out_features != 2 * fc2.in_features:
+        return f"FC1 out_features {fc1.out_features} != 2 x FC2 in_features {fc2.in_features}"
+    if fc1.num_groups != fc2.num_groups:
+        return f"FC1 has {fc1.num_groups} groups, FC2 {fc2.num_groups}"
+    if ctx.device is not None and ctx.device.type == "cuda" and ctx.dtype == torch.float64:
+        return "float64 on CUDA: the Triton kernels serve fp32/fp16/bf16"
+    return None
+
+
+def _check_forward_only(ops, ctx):
+    if ctx.requires_grad:
+        return "a backward will run: the joint rule 'grouped_mlp' covers training"
+    return _check(ops, ctx)
+
+
+_PATTERN = [GroupedLinear, match((SwiGLU, GEGLU, ScaledSwiGLU)), GroupedLinear]
+_register_builtin("grouped_mlp", _PATTERN, pass_="joint", build=FusedGroupedMLP, check=_check)
+_register_builtin("grouped_mlp_forward", _PATTERN, pass_="forward", build=FusedGroupedMLP, check=_check_forward_only)
