@@ -166,7 +166,14 @@ class OperationFuser:
             )
         params = self._params()
         plan = self.plan_for(x, extra_inputs)
-        outs = _FuserFunction.apply(x, self, plan, len(extra_inputs), *extra_inputs, *params)
+        args = [*extra_inputs, *params]
+        seen = {id(x)}
+        for i, t in enumerate(args):  # the same tensor twice (x as residual, tied weights):
+            if isinstance(t, torch.Tensor):  # give autograd.Function distinct inputs (an alias)
+                if id(t) in seen:
+                    args[i] = t.view_as(t)
+                seen.add(id(t))
+        outs = _FuserFunction.apply(x, self, plan, len(extra_inputs), *args)
         if self.num_extra_outputs == 0:
             return outs[0]
         return tuple(outs)
@@ -243,10 +250,16 @@ class _FuserFunction(torch.autograd.Function):
         for m in fuser._num_extra_outputs:
             grad_extra_out.append(tuple(grad_extra_outputs_flat[k : k + m]))
             k += m
-        saved, k = func_ctx.saved_tensors, 0
+        # Fresh ctx objects carrying the saved tensors (no mutation of forward-time objects, so
+        # torch.compile can trace the backward too).
+        saved, k, fresh = func_ctx.saved_tensors, 0, []
         for c, m in zip(ctxs, func_ctx.saved_counts):
-            c._saved = tuple(saved[k : k + m])
+            c2 = OperationContext.__new__(OperationContext)
+            c2.__dict__.update(c.__dict__)
+            c2._saved = tuple(saved[k : k + m])
+            fresh.append(c2)
             k += m
+        ctxs = fresh
         param_grads: list[tuple] = [tuple(None for _ in op._parameters.values() if _ is not None) for op in ops]
         grad_extra_in: list[tuple] = [tuple(None for _ in range(m)) for m in fuser._num_extra_inputs]
         for g in reversed(plan.backward):

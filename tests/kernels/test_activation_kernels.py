@@ -1,0 +1,254 @@
+"""Bias + activation (+ dropout) and scaled SwiGLU: Triton (interpreter on CPU) and refs vs float64."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusible_ops.kernels as K
+from fusible_ops.kernels import activation as A
+from fusible_ops.kernels import dropout as D
+from fusible_ops.testing import assert_close, assert_close_norm
+
+_BASE64 = {
+    "relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu,
+}
+_GATE_OF = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh", "reglu": "relu"}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiny tiles / few programs so that small shapes exercise multi-program grids and row loops."""
+    monkeypatch.setattr(D, "_EW_MAX_BLOCK_C", 16)
+    monkeypatch.setattr(D, "_EW_TILE", 64)
+    monkeypatch.setattr(A, "_BWD_MAX_BLOCK_C", 16)
+    monkeypatch.setattr(A, "_BWD_TILE", 32)
+
+
+def _make(shape, dtype, layout, device="cpu", seed=0):
+    """Random tensor; layout: contiguous | rowstride (padded rows, a view) | transposed (needs a copy)."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "contiguous":
+        t = torch.randn(shape, generator=g)
+    elif layout == "rowstride":
+        t = torch.randn((*shape[:-1], shape[-1] + 5), generator=g)[..., : shape[-1]]
+    else:  # last dim outermost in memory, step-2 columns
+        t = torch.randn((2 * shape[-1], *shape[:-1]), generator=g).permute(*range(1, len(shape)), 0)[..., ::2]
+    return t.to(device=device, dtype=dtype)
+
+
+def _act64(z, kind):
+    if kind in A.GATED:
+        h = z.shape[-1] // 2
+        return _BASE64[_GATE_OF[kind]](z[..., :h]) * z[..., h:]
+    return _BASE64[kind](z)
+
+
+def _bias_act64(dy, x, bias, kind, p, seed):
+    """Independent float64 math (torch functional + autograd) for y, dz, dbias."""
+    z = x.double().detach().clone().requires_grad_(True)
+    zb = z + bias.double() if bias is not None else z
+    y = _act64(zb, kind)
+    if p > 0:
+        keep = D.dropout_keep_mask(y.shape, p, seed, x.device)
+        y = torch.where(keep, y / (1.0 - p), torch.zeros((), dtype=torch.float64, device=x.device))
+    (dz,) = torch.autograd.grad(y, z, dy.double())
+    dbias = None
+    if bias is not None:
+        dbias = dz.reshape(-1, dz.shape[-1]).sum(0) if dz.shape[-1] else dz.new_zeros(0)
+    return y.detach(), dz, dbias
+
+
+def _run_bias_act(dy, x, bias, kind, p, seed, mode):
+    with K.use(mode):
+        y = A.bias_act_fwd(x, bias, kind, dropout_p=p, seed=seed)
+        dz, dbias = A.bias_act_bwd(dy, x, bias, kind, bias is not None, dropout_p=p, seed=seed)
+    return y, dz, dbias
+
+
+def _check_bias_act(kind, dtype, shape, layout, bias_mode, p, seed, device="cpu"):
+    n = shape[-1]
+    out_shape = (*shape[:-1], n // 2 if kind in A.GATED else n)
+    x = _make(shape, dtype, layout, device, seed)
+    dy = _make(out_shape, dtype, layout, device, seed + 1)
+    bias = None
+    if bias_mode is not None:
+        bias = _make((n,), dtype if bias_mode == "same" else torch.float32, "contiguous", device, seed + 2)
+    y64, dz64, db64 = _bias_act64(dy, x, bias, kind, p, seed)
+    modes = ("triton", "reference") if device == "cpu" else ("auto", "reference")
+    for mode in modes:
+        y, dz, dbias = _run_bias_act(dy, x, bias, kind, p, seed, mode)
+        tag = f"{mode} {kind} {dtype} {shape} {layout} bias={bias_mode} p={p}"
+        assert y.shape == out_shape and y.dtype == dtype, tag
+        assert dz.shape == x.shape and dz.dtype == dtype, tag
+        assert_close(y, y64, msg=f"y {tag}")
+        assert_close(dz, dz64, msg=f"dz {tag}")
+        if bias is None:
+            assert dbias is None
+        else:
+            assert dbias.shape == bias.shape and dbias.dtype == bias.dtype, tag
+            assert_close_norm(dbias, db64, msg=f"dbias {tag}")
+
+
+# ----------------------------------------------------------------------------- CPU
+
+CPU_CASES = [  # (shape, layout, bias_mode, dropout_p)
+    ((3, 6), "contiguous", "same", 0.0),
+    ((7, 34), "rowstride", "fp32", 0.3),
+    ((1, 2), "contiguous", None, 0.0),
+    ((0, 10), "contiguous", "same", 0.2),
+    ((2, 5, 10), "transposed", "same", 0.5),
+    ((37, 40), "contiguous", "fp32", 0.0),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", A.ACTIVATIONS)
+def test_bias_act_matches_float64(kind, dtype, small_tiles):
+    for i, (shape, layout, bias_mode, p) in enumerate(CPU_CASES):
+        _check_bias_act(kind, dtype, shape, layout, bias_mode, p, seed=10 * i + 1)
+
+
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_bias_act_default_tiles(kind):
+    _check_bias_act(kind, torch.float32, (45, 300), "rowstride", "same", 0.25, seed=5)
+    _check_bias_act(kind, torch.float16, (3, 0), "contiguous", "same", 0.0, seed=6)
+
+
+@pytest.mark.parametrize("kind", A.ACTIVATIONS)
+def test_ref_float64_inputs(kind):
+    x = torch.randn(4, 3, 12, dtype=torch.float64)
+    bias = torch.randn(12, dtype=torch.float64)
+    dy = torch.randn(4, 3, 6 if kind in A.GATED else 12, dtype=torch.float64)
+    y64, dz64, db64 = _bias_act64(dy, x, bias, kind, 0.4, 77)
+    y = A.bias_act_fwd_ref(x, bias, kind, dropout_p=0.4, seed=77)
+    dz, db = A.bias_act_bwd_ref(dy, x, bias, kind, True, dropout_p=0.4, seed=77)
+    assert y.dtype == dz.dtype == db.dtype == torch.float64
+    assert_close(y, y64)
+    assert_close(dz, dz64)
+    assert_close_norm(db, db64)
+
+
+def test_dropout_mask_is_flat_index_of_y():
+    x = torch.rand(6, 10) + 1.0  # relu(x) > 0 everywhere
+    with K.use("triton"):
+        y = A.bias_act_fwd(x, None, "relu", dropout_p=0.5, seed=4)
+        yg = A.bias_act_fwd(torch.cat([x, x], -1), None, "reglu", dropout_p=0.5, seed=4)
+    keep = D.dropout_keep_mask((6, 10), 0.5, 4, "cpu")
+    assert torch.equal(y != 0, keep)
+    assert torch.equal(yg != 0, keep)
+
+
+def test_need_dbias_false_and_bad_args():
+    x, bias, dy = torch.randn(3, 8), torch.randn(8), torch.randn(3, 8)
+    for mode in ("triton", "reference"):
+        with K.use(mode):
+            dz, db = A.bias_act_bwd(dy, x, bias, "silu", False)
+            assert db is None and dz.shape == x.shape
+    with pytest.raises(ValueError):
+        A.bias_act_fwd(x, bias, "tanh")
+    with pytest.raises(ValueError):
+        A.bias_act_fwd(torch.randn(3, 7), None, "swiglu")
+    with pytest.raises(ValueError):
+        A.bias_act_fwd(x, torch.randn(7), "relu")
+
+
+def _scaled64(dy, x, scales):
+    x64 = x.double().detach().clone().requires_grad_(True)
+    s64 = scales.double().detach().clone().requires_grad_(True)
+    y = _act64(x64, "swiglu") * s64[..., None]
+    dx, ds = torch.autograd.grad(y, (x64, s64), dy.double())
+    return y.detach(), dx, ds
+
+
+def _check_scaled(dtype, shape, layout, scales_fp32, device="cpu", seed=0):
+    x = _make(shape, dtype, layout, device, seed)
+    out_shape = (*shape[:-1], shape[-1] // 2)
+    dy = _make(out_shape, dtype, layout, device, seed + 1)
+    scales = torch.rand(shape[:-1], generator=torch.Generator().manual_seed(seed + 2)).to(device)
+    scales = scales if scales_fp32 else scales.to(dtype)
+    y64, dx64, ds64 = _scaled64(dy, x, scales)
+    modes = ("triton", "reference") if device == "cpu" else ("auto", "reference")
+    for mode in modes:
+        with K.use(mode):
+            y = A.scaled_swiglu_fwd(x, scales)
+            dx, ds = A.scaled_swiglu_bwd(dy, x, scales, True)
+            dx2, none = A.scaled_swiglu_bwd(dy, x, scales, False)
+        tag = f"{mode} {dtype} {shape} {layout}"
+        assert y.shape == out_shape and y.dtype == dtype and dx.dtype == dtype, tag
+        assert ds.shape == scales.shape and ds.dtype == scales.dtype and none is None, tag
+        assert_close(y, y64, msg=f"y {tag}")
+        assert_close(dx, dx64, msg=f"dx {tag}")
+        assert torch.equal(dx, dx2), tag
+        assert_close_norm(ds, ds64, msg=f"dscales {tag}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_swiglu_matches_float64(dtype, small_tiles):
+    cases = [((3, 10), "contiguous", False), ((7, 66), "rowstride", True), ((1, 2), "contiguous", False),
+             ((0, 8), "contiguous", False), ((3, 4, 18), "transposed", True), ((37, 36), "contiguous", False)]
+    for i, (shape, layout, s32) in enumerate(cases):
+        _check_scaled(dtype, shape, layout, s32, seed=i)
+
+
+def test_compile_fullgraph_cpu_aot_eager():
+    """Custom ops trace under torch.compile (fake impls); aot_eager avoids needing a C++ compiler."""
+    x, bias, s = torch.randn(5, 12), torch.randn(12), torch.rand(5)
+
+    def f(x, bias, s):
+        y = A.bias_act_fwd(x, bias, "geglu", dropout_p=0.1, seed=3)
+        dz, db = A.bias_act_bwd(y, x, bias, "geglu", True, dropout_p=0.1, seed=3)
+        y2 = A.scaled_swiglu_fwd(x, s)
+        dx, ds = A.scaled_swiglu_bwd(y2, x, s, True)
+        return y, dz, db, y2, dx, ds
+
+    with K.use("triton"):
+        out = torch.compile(f, backend="aot_eager", fullgraph=True)(x, bias, s)
+        ref = f(x, bias, s)
+    for a, b in zip(out, ref):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+GPU_CASES = [
+    ((1031, 4098), "contiguous", "same", 0.0),
+    ((3, 517, 2050), "rowstride", "fp32", 0.3),
+    ((129, 770), "transposed", "same", 0.1),
+    ((0, 64), "contiguous", "same", 0.0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", A.ACTIVATIONS)
+def test_gpu_bias_act_matches_float64(kind, dtype):
+    for i, (shape, layout, bias_mode, p) in enumerate(GPU_CASES):
+        _check_bias_act(kind, dtype, shape, layout, bias_mode, p, seed=i + 1, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_scaled_swiglu_matches_float64(dtype):
+    for i, (shape, layout, s32) in enumerate([((2049, 2050), "contiguous", True),
+                                               ((5, 301, 1538), "rowstride", False),
+                                               ((33, 4100), "transposed", True)]):
+        _check_scaled(dtype, shape, layout, s32, device="cuda", seed=i)
+
+
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph():
+    x = torch.randn(257, 1030, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(1030, device="cuda", dtype=torch.float32)
+    s = torch.rand(257, device="cuda")
+
+    def f(x, bias, s):
+        y = A.bias_act_fwd(x, bias, "swiglu", dropout_p=0.1, seed=3)
+        dz, db = A.bias_act_bwd(y, x, bias, "swiglu", True, dropout_p=0.1, seed=3)
+        y2 = A.scaled_swiglu_fwd(x, s)
+        dx, ds = A.scaled_swiglu_bwd(y2, x, s, True)
+        return y, dz, db, y2, dx, ds
+
+    out = torch.compile(f, fullgraph=True)(x, bias, s)
+    for a, b in zip(out, f(x, bias, s)):
+        assert torch.equal(a, b)
