@@ -1,0 +1,14 @@
+"""Benchmark harness: ``python -m fusible_ops.bench [CASE ...] [--list] [--out DIR] [--warmup-ms N]
+[--rep-ms N] [--quick] [--no-compile] [--variants a,b] [--device DEV]``.
+
+Times each case's fused ``fusible_ops.Sequential`` against the same ops in eager PyTorch and
+under ``torch.compile`` (plus case-specific baselines), with copy-bandwidth and bf16-matmul
+ceilings measured in the same run. See :mod:`fusible_ops.bench.harness` and
+:mod:`fusible_ops.bench.cases`.
+"""
+
+from .cases import CASES, Bench, BenchContext, routing_splits
+from .harness import FIELDS, Timer, Timing, main, measure_ceilings, percentile
+
+__all__ = ["CASES", "FIELDS", "Bench", "BenchContext", "Timer", "Timing", "main", "measure_ceilings", "percentile",
+           "routing_splits"]

@@ -1,0 +1,585 @@
+"""Timing, ceilings and output for ``python -m fusible_ops.bench``.
+
+* Timing: one timed call is what the case says (forward + backward through
+  ``torch.autograd.grad``, so no ``.grad`` accumulation pass is timed). Inputs are rotated among
+  ``n_copies`` copies so the L2 cache does not flatter a case (enough copies that the rotated
+  set exceeds 2x L2, at least 2). CUDA: one pair of ``torch.cuda.Event`` per call after a
+  warm-up of ``--warmup-ms``, for ``--rep-ms``; median, p20 and p80 of the per-call times.
+  CPU: the same loop with ``time.perf_counter`` (for smoke tests only).
+* Ceilings, measured in the same run: device-to-device copy bandwidth (``dst.copy_(src)`` of
+  1 GiB, bytes read + written) and the dense bf16 matmul rate (8192^3 ``torch.mm`` on random
+  data). Elementwise / norm cases report % of the copy bandwidth, GEMM cases % of the matmul rate.
+* Before timing, every variant's output and gradients are compared once with the case's
+  reference (relative norm error < ``REL_ERR_TOL``), and the fused variant's plan must contain
+  the case's expected rules: a broken kernel cannot post a time.
+* Output: per (case, config, variant) one CSV row and one JSON object (JSON lines) under
+  ``--out``, plus a Markdown table printed at the end (and saved beside them). Row status:
+  ``ok``; ``error: ...`` (fused or eager broken, or an expected rule absent: no time, exit
+  code 1); ``unavailable: ...`` (a baseline that cannot run here, e.g. ``torch._grouped_mm``);
+  ``mismatch: ...`` (a baseline whose result disagrees with the reference: no time).
+  ``FUSIBLE_OPS_BENCH_TRACEBACK=1`` prints tracebacks of failing variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+DEFAULT_WARMUP_MS = 200.0
+DEFAULT_REP_MS = 600.0
+DEFAULT_L2_BYTES = 50 * 2**20  # H100: 50 MB
+MAX_COPIES = 64
+MIN_REP_ITERS_CUDA = 10
+MIN_REP_ITERS_CPU = 3
+MAX_ITERS = 10000
+REL_ERR_TOL = 2e-2
+COPY_CEILING_BYTES = 2**30  # the source of the copy ceiling (read + write = 2 GiB moved)
+MM_CEILING_N = 8192
+
+FIELDS = [
+    "device", "torch_version", "triton_version", "date_utc", "case", "config", "variant", "shape", "dtype",
+    "status", "median_ms", "p20_ms", "p80_ms", "n_iters", "n_copies", "metric", "bytes", "flops", "gbps",
+    "tflops", "ceiling", "pct_of_ceiling", "speedup_vs_eager", "speedup_vs_grouped_mm", "rel_err",
+    "rules_forward", "rules_backward", "expected_rules", "first_call_s", "copy_gbps", "matmul_tflops",
+    "quick", "note",
+]
+
+
+# ----------------------------------------------------------------------------------------- timing
+def percentile(sorted_vals: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile ``q`` in [0, 100] of an ascending sequence."""
+    if not sorted_vals:
+        return float("nan")
+    pos = (len(sorted_vals) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
+
+
+@dataclasses.dataclass
+class Timing:
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    n_iters: int
+
+    @classmethod
+    def from_times(cls, times_ms: Sequence[float]) -> "Timing":
+        s = sorted(times_ms)
+        return cls(percentile(s, 50), percentile(s, 20), percentile(s, 80), len(s))
+
+
+def n_copies_for(copy_bytes: int, device: torch.device, l2_bytes: Optional[int] = None) -> int:
+    """Copies to rotate among: the rotated set exceeds 2x L2 (at least 2, at most MAX_COPIES)."""
+    if device.type != "cuda":
+        return 2
+    l2 = l2_bytes if l2_bytes is not None else l2_cache_bytes(device)
+    return int(min(MAX_COPIES, max(2, math.ceil(2 * l2 / max(copy_bytes, 1)))))
+
+
+def l2_cache_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        l2 = getattr(props, "L2_cache_size", 0) or getattr(props, "l2_cache_size", 0)
+        if l2:
+            return int(l2)
+    return DEFAULT_L2_BYTES
+
+
+class Timer:
+    """Times ``fn(i)`` (``i`` = a running call counter, for rotating inputs)."""
+
+    def __init__(self, device: torch.device, warmup_ms: float, rep_ms: float) -> None:
+        self.device = device
+        self.warmup_ms = float(warmup_ms)
+        self.rep_ms = float(rep_ms)
+        self._i = 0
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _call(self, fn: Callable[[int], Any]) -> None:
+        fn(self._i)
+        self._i += 1
+
+    def time(self, fn: Callable[[int], Any]) -> Timing:
+        if self.device.type == "cuda":
+            return self._time_cuda(fn)
+        return self._time_cpu(fn)
+
+    def _counts(self, est_ms: float, min_rep: int) -> tuple[int, int]:
+        est_ms = max(est_ms, 1e-4)
+        n_warm = int(min(MAX_ITERS, max(1, round(self.warmup_ms / est_ms))))
+        n_rep = int(min(MAX_ITERS, max(min_rep, round(self.rep_ms / est_ms))))
+        return n_warm, n_rep
+
+    def _time_cuda(self, fn) -> Timing:
+        self._call(fn)  # JIT / autotune / compile already happened in the check; one more to be sure
+        self.sync()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        n_est = 3
+        start.record()
+        for _ in range(n_est):
+            self._call(fn)
+        end.record()
+        self.sync()
+        est = start.elapsed_time(end) / n_est
+        n_warm, n_rep = self._counts(est, MIN_REP_ITERS_CUDA)
+        for _ in range(n_warm):
+            self._call(fn)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+        for k in range(n_rep):
+            starts[k].record()
+            self._call(fn)
+            ends[k].record()
+        self.sync()
+        return Timing.from_times([s.elapsed_time(e) for s, e in zip(starts, ends)])
+
+    def _time_cpu(self, fn) -> Timing:
+        t0 = time.perf_counter()
+        self._call(fn)
+        est = (time.perf_counter() - t0) * 1e3
+        n_warm, n_rep = self._counts(est, MIN_REP_ITERS_CPU)
+        for _ in range(n_warm):
+            self._call(fn)
+        times = []
+        for _ in range(n_rep):
+            t0 = time.perf_counter()
+            self._call(fn)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return Timing.from_times(times)
+
+
+# --------------------------------------------------------------------------------------- ceilings
+@dataclasses.dataclass
+class Ceilings:
+    copy_gbps: float
+    matmul_tflops: float
+    copy_timing: Timing
+    matmul_timing: Timing
+    copy_bytes: int
+    matmul_n: int
+
+
+def measure_ceilings(device: torch.device, timer: Timer, quick: bool = False) -> Ceilings:
+    """Copy bandwidth (GB/s, bytes read + written) and dense bf16 matmul rate (TFLOP/s)."""
+    nbytes = COPY_CEILING_BYTES if not quick else 16 * 2**20
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    t_copy = timer.time(lambda i: dst.copy_(src))
+    copy_gbps = 2 * nbytes / (t_copy.median_ms * 1e-3) / 1e9
+    del src, dst
+    n = MM_CEILING_N if not quick else 256
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    c = torch.empty(n, n, dtype=torch.bfloat16, device=device)
+    t_mm = timer.time(lambda i: torch.mm(a, b, out=c))
+    tflops = 2 * n**3 / (t_mm.median_ms * 1e-3) / 1e12
+    del a, b, c
+    free_memory(device)
+    return Ceilings(copy_gbps, tflops, t_copy, t_mm, nbytes, n)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------- correctness
+def rel_norm_err(actual: Optional[torch.Tensor], expected: Optional[torch.Tensor]) -> float:
+    """||actual - expected|| / ||expected|| in fp32 (None counts as zeros; 0/0 is 0)."""
+    if actual is None and expected is None:
+        return 0.0
+    if actual is None:
+        actual = torch.zeros_like(expected)
+    if expected is None:
+        expected = torch.zeros_like(actual)
+    if actual.shape != expected.shape:
+        return float("inf")
+    a = actual.detach().float()
+    e = expected.detach().float()
+    if not bool(torch.isfinite(a).all()):
+        return float("inf")
+    err = torch.linalg.vector_norm(a - e).item()
+    den = torch.linalg.vector_norm(e).item()
+    if den == 0.0:
+        return 0.0 if err == 0.0 else float("inf")
+    return err / den
+
+
+# ------------------------------------------------------------------------------------------ rows
+def _versions() -> tuple[str, str]:
+    try:
+        import triton
+
+        tv = triton.__version__
+    except Exception:  # pragma: no cover
+        tv = "none"
+    return torch.__version__, tv
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)"
+
+
+def _fmt(v: Any, nd: int = 3) -> str:
+    if v is None or v == "":
+        return ""
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def markdown_table(rows: list[dict], meta: dict) -> str:
+    lines = [
+        f"Device: {meta['device']}; torch {meta['torch_version']}, triton {meta['triton_version']}; "
+        f"{meta['date_utc']}{' (--quick shapes)' if meta.get('quick') else ''}",
+        "",
+        f"Ceilings (same run): copy {meta['copy_gbps']:.0f} GB/s (read + write), "
+        f"bf16 matmul {meta['matmul_tflops']:.1f} TFLOP/s ({meta['matmul_n']}^3 torch.mm).",
+        "",
+        "| case | config | variant | shape | median ms | p20-p80 ms | GB/s | TFLOP/s | % of ceiling "
+        "| vs eager | vs _grouped_mm | rules (fwd / bwd) | status |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        rules = ""
+        if r["variant"] == "fused":
+            fwd = ", ".join(r.get("rules_forward") or []) or "-"
+            bwd = ", ".join(r.get("rules_backward") or []) or "-"
+            rules = f"{fwd} / {bwd}"
+        p = ""
+        if r.get("p20_ms") is not None:
+            p = f"{r['p20_ms']:.3f}-{r['p80_ms']:.3f}"
+        spd = lambda v: "" if v is None else f"{v:.2f}x"  # noqa: E731
+        pct = "" if r.get("pct_of_ceiling") is None else f"{r['pct_of_ceiling']:.1f}%"
+        lines.append(
+            f"| {r['case']} | {r.get('config') or ''} | {r['variant']} | {r.get('shape') or ''} "
+            f"| {_fmt(r.get('median_ms'))} | {p} | {_fmt(r.get('gbps'), 0)} | {_fmt(r.get('tflops'), 1)} | {pct} "
+            f"| {spd(r.get('speedup_vs_eager'))} | {spd(r.get('speedup_vs_grouped_mm'))} | {rules} | {r['status']} |"
+        )
+    return "\n".join(lines)
+
+
+def write_outputs(rows: list[dict], out_dir: str, stamp: str, table: str) -> dict[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"bench_{stamp}")
+    paths = {"csv": base + ".csv", "jsonl": base + ".jsonl", "md": base + ".md"}
+    with open(paths["csv"], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (";".join(v) if isinstance(v, (list, tuple)) else ("" if v is None else v))
+                        for k, v in r.items()})
+    with open(paths["jsonl"], "w") as f:
+        for r in rows:
+            clean = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
+            f.write(json.dumps(clean, default=str) + "\n")
+    with open(paths["md"], "w") as f:
+        f.write(table + "\n")
+    return paths
+
+
+# ------------------------------------------------------------------------------------------- run
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _short_err(e: BaseException) -> str:
+    s = f"{type(e).__name__}: {e}".replace("\n", " ")
+    return s[:300]
+
+
+def _grad_targets(inputs: tuple, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    seen, out = set(), []
+    for t in (*inputs, *params):
+        if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _fwd_bwd(fn, inputs, dy, targets):
+    y = fn(*inputs)
+    grads = torch.autograd.grad(y, targets, dy, allow_unused=True)
+    return y, grads
+
+
+def _check_variant(bench, name: str, fn, inputs, dy, targets, device) -> tuple[float, float, Optional[str]]:
+    """One call of ``fn`` compared with the bench's reference. Returns (first_call_s, rel_err, problem)."""
+    t0 = time.perf_counter()
+    y, grads = _fwd_bwd(fn, inputs, dy, targets)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    first = time.perf_counter() - t0
+    problem = None
+    if bench.check_output is not None:
+        problem = bench.check_output(inputs, y)
+    if bench.reference is None and name == bench.baseline:
+        return first, 0.0, problem
+    ref_fn = bench.reference if bench.reference is not None else (lambda inp, _y: bench.variants[bench.baseline](*inp))
+    y_ref = ref_fn(inputs, y)
+    g_ref = torch.autograd.grad(y_ref, targets, dy, allow_unused=True)
+    errs = [rel_norm_err(y, y_ref)] + [rel_norm_err(a, b) for a, b in zip(grads, g_ref)]
+    err = max(errs)
+    if err >= REL_ERR_TOL and problem is None:
+        labels = ["output"] + [f"grad[{k}]" for k in range(len(grads))]
+        worst = labels[errs.index(err)]
+        problem = f"mismatch vs reference: rel norm err {err:.3g} ({worst}) >= {REL_ERR_TOL}"
+    del y, grads, y_ref, g_ref
+    return first, err, problem
+
+
+def _plan_rules(bench) -> tuple[list[str], list[str]]:
+    args = bench.plan_args(bench.copies[0][0])
+    fwd = [r["rule"] for r in bench.fused_module.fusion_plan("forward", *args) if r.get("rule")]
+    bwd = [r["rule"] for r in bench.fused_module.fusion_plan("backward", *args) if r.get("rule")]
+    return fwd, bwd
+
+
+def run_bench(bench, timer: Timer, ceilings: Ceilings, meta: dict, device: torch.device,
+              variant_filter: Optional[set], progress: str) -> list[dict]:
+    """Check and time every variant of one bench; returns its rows."""
+    first_inputs, first_dy = bench.new_copy()
+    copy_bytes = sum(t.numel() * t.element_size() for t in (*first_inputs, first_dy) if isinstance(t, torch.Tensor))
+    n_copies = n_copies_for(copy_bytes, device)
+    bench.copies = [(first_inputs, first_dy)] + [bench.new_copy() for _ in range(n_copies - 1)]
+    targets = [_grad_targets(inp, bench.params) for inp, _ in bench.copies]
+
+    fwd_rules, bwd_rules = _plan_rules(bench)
+    used = set(fwd_rules) | set(bwd_rules)
+    missing = [r for r in bench.expected_rules if r not in used]
+
+    ceiling_name = "copy_bw" if bench.metric == "bytes" else "bf16_mm"
+    rows = []
+    for name, fn in bench.variants.items():
+        if variant_filter and name not in variant_filter and name != bench.baseline:
+            continue
+        row = dict(meta)
+        row.update(
+            case=bench.case, config=bench.config, variant=name, shape=bench.shape, dtype=str(bench.dtype).replace("torch.", ""),
+            status="ok", median_ms=None, p20_ms=None, p80_ms=None, n_iters=None, n_copies=n_copies,
+            metric=bench.metric, bytes=bench.work if bench.metric == "bytes" else None,
+            flops=bench.work if bench.metric == "flops" else None, gbps=None, tflops=None, ceiling=ceiling_name,
+            pct_of_ceiling=None, speedup_vs_eager=None, speedup_vs_grouped_mm=None, rel_err=None,
+            rules_forward=fwd_rules if name == "fused" else [], rules_backward=bwd_rules if name == "fused" else [],
+            expected_rules=list(bench.expected_rules) if name == "fused" else [], first_call_s=None,
+            note=bench.notes.get(name, ""),
+        )
+        label = f"{progress} {bench.case}{'[' + bench.config + ']' if bench.config else ''} / {name}"
+        if name == "fused" and missing:
+            row["status"] = f"error: expected rule(s) absent from the plan: {missing}"
+            _log(f"{label}: {row['status']}")
+            rows.append(row)
+            continue
+        inputs0, dy0 = bench.copies[0]
+        try:
+            first, err, problem = _check_variant(bench, name, fn, inputs0, dy0, targets[0], device)
+        except Exception as e:  # a baseline that cannot run here, or a broken fused op
+            kind = "error" if name in ("fused", bench.baseline) else "unavailable"
+            row["status"] = f"{kind}: {_short_err(e)}"
+            _log(f"{label}: {row['status']}")
+            if os.environ.get("FUSIBLE_OPS_BENCH_TRACEBACK"):
+                traceback.print_exc()
+            rows.append(row)
+            free_memory(device)
+            continue
+        row["first_call_s"] = round(first, 3)
+        row["rel_err"] = err
+        if problem is not None:
+            row["status"] = ("error: " if name == "fused" else "mismatch: ") + problem
+            _log(f"{label}: {row['status']}")
+            rows.append(row)
+            free_memory(device)
+            continue
+
+        def call(i, fn=fn):
+            inp, dy = bench.copies[i % n_copies]
+            _fwd_bwd(fn, inp, dy, targets[i % n_copies])
+
+        try:
+            t = timer.time(call)
+        except Exception as e:
+            row["status"] = f"error: {_short_err(e)}"
+            _log(f"{label}: {row['status']}")
+            rows.append(row)
+            free_memory(device)
+            continue
+        row.update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, n_iters=t.n_iters)
+        if bench.metric == "bytes":
+            row["gbps"] = bench.work / (t.median_ms * 1e-3) / 1e9
+            row["pct_of_ceiling"] = 100.0 * row["gbps"] / ceilings.copy_gbps
+            rate = f"{row['gbps']:.0f} GB/s"
+        else:
+            row["tflops"] = bench.work / (t.median_ms * 1e-3) / 1e12
+            row["pct_of_ceiling"] = 100.0 * row["tflops"] / ceilings.matmul_tflops
+            rate = f"{row['tflops']:.1f} TFLOP/s"
+        _log(
+            f"{label}: {t.median_ms:.3f} ms (p20 {t.p20_ms:.3f}, p80 {t.p80_ms:.3f}, {t.n_iters} iters, "
+            f"{n_copies} copies) {rate} = {row['pct_of_ceiling']:.1f}% of {ceiling_name}; "
+            f"rel err {err:.2e}; first call {first:.2f} s"
+        )
+        rows.append(row)
+
+    by_name = {r["variant"]: r for r in rows}
+    base = by_name.get(bench.baseline)
+    gmm = by_name.get("grouped_mm")
+    for r in rows:
+        if r["median_ms"] is None:
+            continue
+        if base is not None and base["median_ms"] is not None:
+            r["speedup_vs_eager"] = base["median_ms"] / r["median_ms"]
+        if gmm is not None and gmm["median_ms"] is not None:
+            r["speedup_vs_grouped_mm"] = gmm["median_ms"] / r["median_ms"]
+    bench.copies = None
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .cases import CASES
+
+    p = argparse.ArgumentParser(
+        prog="python -m fusible_ops.bench",
+        description="Time fused fusible_ops Sequentials against the same ops in eager PyTorch and torch.compile.",
+    )
+    p.add_argument("cases", nargs="*", metavar="CASE",
+                   help=f"cases to run (default: all); CASE or CASE:CONFIG (e.g. grouped_mlp_8e:skewed). "
+                        f"Cases: {', '.join(CASES)}")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--out", default="bench_results", help="output folder (default: bench_results/)")
+    p.add_argument("--warmup-ms", type=float, default=DEFAULT_WARMUP_MS, help="warm-up per variant (ms)")
+    p.add_argument("--rep-ms", type=float, default=DEFAULT_REP_MS, help="timed duration per variant (ms)")
+    p.add_argument("--quick", action="store_true", help="small shapes (CPU smoke runs)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    p.add_argument("--variants", default="",
+                   help="comma list of variants to run (the case's eager baseline always runs), "
+                        "e.g. fused,grouped_mm")
+    p.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .cases import CASES, BenchContext
+
+    args = build_parser().parse_args(argv)
+    if args.list:
+        for name, case in CASES.items():
+            print(f"{name:20s} {case.description}")
+        return 0
+    selected: list[tuple[str, Optional[str]]] = []
+    for spec in args.cases or list(CASES):
+        name, _, config = spec.partition(":")
+        if name not in CASES:
+            print(f"unknown case {name!r}; known: {', '.join(CASES)}", file=sys.stderr)
+            return 2
+        selected.append((name, config or None))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    variant_filter = {v.strip() for v in args.variants.split(",") if v.strip()} or None
+
+    torch.manual_seed(0)
+    tv, trv = _versions()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    stamp = now.strftime("%Y%m%dT%H%M%SZ")
+    timer = Timer(device, args.warmup_ms, args.rep_ms)
+    t_start = time.perf_counter()
+    _log(f"fusible_ops.bench on {device_name(device)} (torch {tv}, triton {trv}); measuring ceilings ...")
+    ceilings = measure_ceilings(device, timer, quick=args.quick)
+    _log(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.1f} TFLOP/s")
+    meta = dict(
+        device=device_name(device), torch_version=tv, triton_version=trv, date_utc=now.isoformat(timespec="seconds"),
+        copy_gbps=ceilings.copy_gbps, matmul_tflops=ceilings.matmul_tflops, quick=bool(args.quick),
+    )
+    rows: list[dict] = []
+    for variant, t, value, metric in (("copy_bandwidth", ceilings.copy_timing, ceilings.copy_gbps, "bytes"),
+                                      ("bf16_matmul", ceilings.matmul_timing, ceilings.matmul_tflops, "flops")):
+        r = {k: None for k in FIELDS}
+        r.update(meta)
+        r.update(case="ceiling", config="", variant=variant, dtype="bfloat16", status="ok",
+                 shape=(f"[{ceilings.copy_bytes // 2}]" if metric == "bytes" else f"[{ceilings.matmul_n}]^3"),
+                 median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, n_iters=t.n_iters, n_copies=1,
+                 metric=metric, ceiling="copy_bw" if metric == "bytes" else "bf16_mm", pct_of_ceiling=100.0,
+                 bytes=2 * ceilings.copy_bytes if metric == "bytes" else None,
+                 flops=2 * ceilings.matmul_n**3 if metric == "flops" else None,
+                 gbps=value if metric == "bytes" else None, tflops=value if metric == "flops" else None,
+                 rules_forward=[], rules_backward=[], expected_rules=[], note="")
+        rows.append(r)
+
+    ctx = BenchContext(device=device, quick=args.quick, compile=not args.no_compile)
+    n_failed = 0
+    for ci, (name, config) in enumerate(selected):
+        case = CASES[name]
+        progress = f"[{ci + 1}/{len(selected)}]"
+        t_case = time.perf_counter()
+        gen = case.build(ctx)
+        while True:
+            try:
+                bench = next(gen)
+            except StopIteration:
+                break
+            except Exception as e:
+                _log(f"{progress} {name}: setup failed: {_short_err(e)}")
+                r = {k: None for k in FIELDS}
+                r.update(meta)
+                r.update(case=name, config=config or "", variant="fused", status=f"error: setup: {_short_err(e)}",
+                         rules_forward=[], rules_backward=[], expected_rules=[], note="")
+                rows.append(r)
+                n_failed += 1
+                break
+            if config is not None and bench.config != config:
+                del bench
+                continue
+            try:
+                bench_rows = run_bench(bench, timer, ceilings, meta, device, variant_filter, progress)
+            except Exception as e:
+                _log(f"{progress} {name}: failed: {_short_err(e)}")
+                bench_rows = [dict(meta, case=name, config=bench.config, variant="fused",
+                                   status=f"error: {_short_err(e)}")]
+            del bench
+            for r in bench_rows:
+                full = {k: None for k in FIELDS}
+                full.update(r)
+                rows.append(full)
+                if str(full["status"]).startswith("error"):
+                    n_failed += 1
+            free_memory(device)
+            _reset_compile()
+        del gen
+        free_memory(device)
+        _log(f"{progress} {name}: done in {time.perf_counter() - t_case:.1f} s")
+
+    meta_md = dict(meta, matmul_n=ceilings.matmul_n)
+    table = markdown_table([r for r in rows if r["case"] != "ceiling"], meta_md)
+    paths = write_outputs(rows, args.out, stamp, table)
+    print(table)
+    _log(f"wrote {paths['csv']}, {paths['jsonl']}, {paths['md']} (total {time.perf_counter() - t_start:.1f} s)")
+    return 1 if n_failed else 0
+
+
+def _reset_compile() -> None:
+    try:
+        torch._dynamo.reset()
+    except Exception:  # pragma: no cover
+        pass

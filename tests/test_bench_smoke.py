@@ -1,0 +1,89 @@
+"""CPU smoke test of the benchmark harness machinery (no timing is asserted)."""
+
+import csv
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from fusible_ops.bench import CASES, FIELDS, main, percentile, routing_splits
+from fusible_ops.bench import cases as bench_cases
+from fusible_ops.bench.harness import n_copies_for
+
+QUICK = ["--quick", "--no-compile", "--device", "cpu", "--warmup-ms", "1", "--rep-ms", "5"]
+
+
+def _read(out_dir):
+    (csv_path,) = glob.glob(os.path.join(out_dir, "bench_*.csv"))
+    (jsonl_path,) = glob.glob(os.path.join(out_dir, "bench_*.jsonl"))
+    assert glob.glob(os.path.join(out_dir, "bench_*.md"))
+    with open(csv_path, newline="") as f:
+        csv_rows = list(csv.DictReader(f))
+    with open(jsonl_path) as f:
+        json_rows = [json.loads(line) for line in f if line.strip()]
+    return csv_rows, json_rows
+
+
+def test_quick_run_writes_rows_with_all_fields(tmp_path, capsys):
+    out = str(tmp_path / "res")
+    rc = main(["bias_gelu", "swiglu", "--out", out, *QUICK])
+    assert rc == 0
+    csv_rows, json_rows = _read(out)
+    assert len(csv_rows) == len(json_rows)
+    for r in csv_rows:
+        assert list(r) == FIELDS
+    for r in json_rows:
+        assert set(FIELDS) <= set(r)
+    got = {(r["case"], r["variant"]) for r in json_rows}
+    assert {("ceiling", "copy_bandwidth"), ("ceiling", "bf16_matmul")} <= got
+    assert {("bias_gelu", "fused"), ("bias_gelu", "eager"), ("swiglu", "fused"), ("swiglu", "eager")} <= got
+    assert not any(r["variant"] == "compile" for r in json_rows)  # --no-compile
+    for r in json_rows:
+        assert r["status"] == "ok", r
+        assert r["device"] and r["torch_version"] == torch.__version__ and r["date_utc"]
+        assert r["median_ms"] > 0 and r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
+        assert r["pct_of_ceiling"] > 0
+        if r["case"] != "ceiling":
+            assert r["metric"] == "bytes" and r["gbps"] > 0 and r["speedup_vs_eager"] > 0
+            assert r["rel_err"] < 2e-2 and r["dtype"] == "bfloat16"
+    fused = next(r for r in json_rows if (r["case"], r["variant"]) == ("bias_gelu", "fused"))
+    assert "bias_activation" in fused["rules_forward"]
+    assert "activation_bias_backward" in fused["rules_backward"]
+    table = capsys.readouterr().out
+    assert "| bias_gelu |" in table and "| median ms |" in table
+
+
+def test_missing_rule_blocks_timing(tmp_path, monkeypatch):
+    def build(ctx):
+        for b in bench_cases.bias_gelu(ctx):
+            b.expected_rules = ("no_such_rule",)
+            yield b
+
+    monkeypatch.setitem(CASES, "bias_gelu", bench_cases.Case("patched", build))
+    out = str(tmp_path / "res")
+    assert main(["bias_gelu", "--out", out, *QUICK]) == 1
+    _, rows = _read(out)
+    fused = next(r for r in rows if (r["case"], r["variant"]) == ("bias_gelu", "fused"))
+    assert fused["status"].startswith("error") and fused["median_ms"] is None
+
+
+def test_list_and_unknown_case(capsys):
+    assert main(["--list"]) == 0
+    listed = capsys.readouterr().out
+    for name in CASES:
+        assert name in listed
+    assert main(["no_such_case", "--out", "unused"]) == 2
+
+
+def test_helpers():
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([1.0, 2.0], 20) == pytest.approx(1.2)
+    assert n_copies_for(10**9, torch.device("cpu")) == 2
+    for E, T in [(8, 16384), (64, 16384), (64, 512)]:
+        for routing in ("uniform", "skewed"):
+            s = routing_splits(E, T, routing)
+            assert len(s) == E and sum(s) == T and min(s) >= 0
+        s = routing_splits(E, T, "skewed")
+        assert max(s) == min(T, 8 * T // E) and 0 in s
