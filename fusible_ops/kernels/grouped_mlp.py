@@ -1,0 +1,403 @@
+"""Fused grouped-GLU epilogues for the MoE expert MLP (GroupedLinear -> GLU -> GroupedLinear).
+
+Same grouping contract as :mod:`fusible_ops.kernels.grouped_gemm` (split_sizes [G] int64 on the
+device, empty groups valid, no host sync, persistent grid sized from host-known values, one
+launch per op, autotune keyed on the feature sizes only: warm up once before graph capture).
+
+GLU on h [.., 2F]: a = h[..., :F], b = h[..., F:], glu(h) = act(a) * b (the FIRST half goes
+through the activation). kinds: ``"swiglu"`` (silu), ``"geglu"`` (exact erf gelu),
+``"geglu_tanh"`` (tanh-approximated gelu) and ``"scaled_swiglu"`` (swiglu times a per-row scale,
+e.g. routing probabilities; ``scales`` required). ``scales`` may also be given with other kinds.
+
+* :func:`grouped_glu_fwd` = FC1 with the activation in its epilogue: one [BM, BN] output tile
+  computes the matching a-tile (w1 rows j) and b-tile (w1 rows F + j) as two accumulators.
+  y is computed from h rounded to its dtype, so it equals glu(h) recomputed in backward.
+* :func:`grouped_dglu` = FC2's input gradient with the activation gradient in its epilogue; the
+  FC2 dgrad result g is never written to memory. It also recomputes y (FC2's wgrad needs it)
+  and, on request, dscales[r] = sum_j g[r, j] * glu(h)[r, j] (deterministic partial sums).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fusible_ops.kernels import HAS_TRITON, interpreter_enabled, use_triton
+from fusible_ops.kernels import grouped_gemm as _gg
+
+_KINDS = {"swiglu": 0, "scaled_swiglu": 0, "geglu": 1, "geglu_tanh": 2}
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from fusible_ops.kernels.grouped_gemm import _group_table, _locate_tile, _mainloop, _split_cols
+
+    @triton.jit
+    def _act(a, KIND: tl.constexpr):
+        """(act(a), act'(a)) in fp32; KIND 0 silu, 1 erf-gelu, 2 tanh-gelu (unused act' is DCE'd)."""
+        if KIND == 0:
+            s = 1.0 / (1.0 + tl.exp(-a))
+            act = a * s
+            d = s * (1.0 + a * (1.0 - s))
+        elif KIND == 1:
+            cdf = 0.5 * (1.0 + tl.erf(a * 0.7071067811865476))
+            act = a * cdf
+            d = cdf + a * tl.exp(-0.5 * a * a) * 0.3989422804014327
+        else:
+            u = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+            t = 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0  # tanh(u), overflow-safe
+            act = 0.5 * a * (1.0 + t)
+            d = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * a * a)
+        return act, d
+
+    @triton.jit
+    def _glu_fwd_kernel(
+        x_ptr,  # [M, K] (strided)
+        w_ptr,  # [G, 2F, K] (strided)
+        h_ptr,  # [M, 2F] out, x's dtype
+        y_ptr,  # [M, F] out, x's dtype
+        bias_ptr,  # [G, 2F] or dummy
+        scale_ptr,  # [M] or dummy
+        split_ptr,  # [G] int64
+        M, F, K, G,
+        s_xm, s_xk, s_wg, s_wn, s_wk, s_hm, s_hn, s_ym, s_yn, s_bg, s_bn, s_s,
+        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, KIND: tl.constexpr, USE_TMA: tl.constexpr,
+        PREC: tl.constexpr, G_P2: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+        FLATTEN: tl.constexpr = False, PPS: tl.constexpr = 1,  # PPS: programs per SM (read by the grid)
+    ):
+        """h = x_g @ w1[g].T (+ b1[g]); y = act(h_a) * h_b (* scale); persistent over all tiles."""
+        TILES_N = tl.cdiv(F, BN)
+        gi, start, m = _group_table(split_ptr, G, M, G_P2)
+        tiles = tl.cdiv(m, BM) * TILES_N
+        tile_end = tl.cumsum(tiles, 0)
+        total = tl.sum(tiles, 0)
+        if USE_TMA:
+            x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[s_xm, 1], block_shape=[BM, BK])
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, 2 * F, K], strides=[s_wg, s_wn, 1],
+                                               block_shape=[1, BN, BK])
+        for t in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
+            g, r0, mg, pid_m, pid_n = _locate_tile(t, gi, start, m, tile_end, tiles, TILES_N, BM, GROUP_M)
+            row0 = r0 + pid_m * BM
+            local_m = pid_m * BM + tl.arange(0, BM)
+            rmask = local_m < mg
+            rows = (r0 + local_m).to(tl.int64)
+            n0 = pid_n * BN
+            offs_n = n0 + tl.arange(0, BN)
+            nmask = offs_n < F
+            acc_a = tl.zeros((BM, BN), dtype=tl.float32)
+            acc_b = tl.zeros((BM, BN), dtype=tl.float32)
+            if USE_TMA:
+                for k0 in range(0, K, BK):
+                    a = x_desc.load([row0, k0])
+                    wa = tl.trans(tl.reshape(w_desc.load([g, n0, k0]), (BN, BK)))
+                    wb = tl.trans(tl.reshape(w_desc.load([g, F + n0, k0]), (BN, BK)))
+                    acc_a = tl.dot(a, wa, acc_a, input_precision=PREC)
+                    acc_b = tl.dot(a, wb, acc_b, input_precision=PREC)
+            else:
+                x_row = x_ptr + rows[:, None] * s_xm
+                w_base = w_ptr + g.to(tl.int64) * s_wg + offs_n.to(tl.int64)[None, :] * s_wn
+                for k0 in range(0, K, BK):
+                    offs_k = k0 + tl.arange(0, BK)
+                    kmask = offs_k < K
+                    a = tl.load(x_row + offs_k[None, :] * s_xk, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    wmask = kmask[:, None] & nmask[None, :]
+                    wp = w_base + offs_k.to(tl.int64)[:, None] * s_wk
+                    wa = tl.load(wp, mask=wmask, other=0.0)
+                    wb = tl.load(wp + F * s_wn, mask=wmask, other=0.0)
+                    acc_a = tl.dot(a, wa, acc_a, input_precision=PREC)
+                    acc_b = tl.dot(a, wb, acc_b, input_precision=PREC)
+            if HAS_BIAS:
+                bp = bias_ptr + g.to(tl.int64) * s_bg + offs_n * s_bn
+                acc_a += tl.load(bp, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                acc_b += tl.load(bp + F * s_bn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            mask = rmask[:, None] & nmask[None, :]
+            ha = acc_a.to(h_ptr.dtype.element_ty)
+            hb = acc_b.to(h_ptr.dtype.element_ty)
+            hp = h_ptr + rows[:, None] * s_hm + offs_n[None, :] * s_hn
+            tl.store(hp, ha, mask=mask)
+            tl.store(hp + F * s_hn, hb, mask=mask)
+            act, _unused = _act(ha.to(tl.float32), KIND)
+            y = act * hb.to(tl.float32)
+            if HAS_SCALE:
+                y = y * tl.load(scale_ptr + rows * s_s, mask=rmask, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + rows[:, None] * s_ym + offs_n[None, :] * s_yn, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _dglu_epi(acc, rows, rmask, c0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
+                  KIND: tl.constexpr, BC: tl.constexpr):
+        """dGLU on one [BM, BC] column sub-tile at columns c0..: stores dh (both halves) and y,
+        returns the row partials of sum_j g * glu (unscaled)."""
+        offs = c0 + tl.arange(0, BC)
+        mask = rmask[:, None] & (offs < F)[None, :]
+        hp = h_ptr + rows[:, None] * s_hm + offs[None, :] * s_hn
+        a = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(hp + F * s_hn, mask=mask, other=0.0).to(tl.float32)
+        act, dact = _act(a, KIND)
+        glu = act * b
+        ds = tl.sum(tl.where(mask, acc * glu, 0.0), 1)
+        gs = acc * s
+        dhp = dh_ptr + rows[:, None] * s_dhm + offs[None, :] * s_dhn
+        tl.store(dhp, (gs * b * dact).to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(dhp + F * s_dhn, (gs * act).to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + rows[:, None] * s_ym + offs[None, :] * s_yn, (glu * s).to(y_ptr.dtype.element_ty), mask=mask)
+        return ds
+
+    @triton.jit
+    def _dglu_kernel(
+        dy_ptr,  # [M, H] upstream gradient of FC2's output (strided)
+        w_ptr,  # [G, H, F] FC2 weight (strided)
+        h_ptr,  # [M, 2F] FC1 output kept from forward (strided)
+        scale_ptr,  # [M] or dummy
+        dh_ptr,  # [M, 2F] out, dy's dtype
+        y_ptr,  # [M, F] out, h's dtype
+        part_ptr,  # [P, M] fp32 zero-initialised partial dscales, P = cdiv(F, BN_MIN); or dummy
+        split_ptr,  # [G] int64
+        M, F, H, G,
+        s_dym, s_dyh, s_wg, s_wh, s_wf, s_hm, s_hn, s_s, s_dhm, s_dhn, s_ym, s_yn,
+        HAS_SCALE: tl.constexpr, NEED_DS: tl.constexpr, KIND: tl.constexpr, USE_TMA: tl.constexpr,
+        PREC: tl.constexpr, G_P2: tl.constexpr, BN_MIN: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+        FLATTEN: tl.constexpr = False, PPS: tl.constexpr = 1,  # PPS: programs per SM (read by the grid)
+    ):
+        """g = dy_g @ w2[g] (registers only); dh = dGLU(h; g * scale); y = glu(h) * scale."""
+        TILES_N = tl.cdiv(F, BN)
+        gi, start, m = _group_table(split_ptr, G, M, G_P2)
+        tiles = tl.cdiv(m, BM) * TILES_N
+        tile_end = tl.cumsum(tiles, 0)
+        total = tl.sum(tiles, 0)
+        if USE_TMA:
+            a_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, H], strides=[s_dym, 1], block_shape=[BM, BK])
+            b_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, H, F], strides=[s_wg, s_wh, 1],
+                                               block_shape=[1, BK, BN])
+        else:
+            a_desc = dy_ptr
+            b_desc = w_ptr
+        for t in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
+            g, r0, mg, pid_m, pid_n = _locate_tile(t, gi, start, m, tile_end, tiles, TILES_N, BM, GROUP_M)
+            row0 = r0 + pid_m * BM
+            local_m = pid_m * BM + tl.arange(0, BM)
+            rmask = local_m < mg
+            rows = r0 + local_m
+            n0 = pid_n * BN
+            offs_n = n0 + tl.arange(0, BN)
+            nmask = offs_n < F
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            acc = _mainloop(acc, dy_ptr, a_desc, w_ptr, b_desc, g, row0, rows, rmask, n0, offs_n, nmask,
+                            H, s_dym, s_dyh, s_wg, s_wh, s_wf, False, USE_TMA, PREC, BN, BK)
+            rows = rows.to(tl.int64)
+            if HAS_SCALE:
+                s = tl.load(scale_ptr + rows * s_s, mask=rmask, other=0.0).to(tl.float32)[:, None]
+            else:
+                s = 1.0
+            # epilogue in column sub-tiles of <= 64 to bound register pressure
+            if BN >= 256:
+                a0, a1 = _split_cols(acc, BM, BN)
+                q0, q1 = _split_cols(a0, BM, BN // 2)
+                q2, q3 = _split_cols(a1, BM, BN // 2)
+                ds = _dglu_epi(q0, rows, rmask, n0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
+                               KIND, BN // 4)
+                ds += _dglu_epi(q1, rows, rmask, n0 + BN // 4, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn,
+                                s_ym, s_yn, KIND, BN // 4)
+                ds += _dglu_epi(q2, rows, rmask, n0 + BN // 2, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn,
+                                s_ym, s_yn, KIND, BN // 4)
+                ds += _dglu_epi(q3, rows, rmask, n0 + 3 * (BN // 4), F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm,
+                                s_dhn, s_ym, s_yn, KIND, BN // 4)
+            elif BN >= 128:
+                a0, a1 = _split_cols(acc, BM, BN)
+                ds = _dglu_epi(a0, rows, rmask, n0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
+                               KIND, BN // 2)
+                ds += _dglu_epi(a1, rows, rmask, n0 + BN // 2, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn,
+                                s_ym, s_yn, KIND, BN // 2)
+            else:
+                ds = _dglu_epi(acc, rows, rmask, n0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
+                               KIND, BN)
+            if NEED_DS:
+                tl.store(part_ptr + (pid_n * (BN // BN_MIN)).to(tl.int64) * M + rows, ds, mask=rmask)
+
+    _cfg = _gg._cfg
+    # GLU fwd: BN is per half, so the effective output tile is BM x 2BN.
+    _GLU_CONFIGS = [_cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 64, 64, 8, 4),
+                    _cfg(128, 64, 64, 4, 3, pps=2), _cfg(64, 128, 64, 4, 3, pps=2), _cfg(64, 64, 32, 4, 3, pps=2)]
+    _DGLU_CONFIGS = [_cfg(128, 256, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 128, 64, 8, 3),
+                     _cfg(128, 128, 64, 4, 3, pps=2), _cfg(64, 128, 64, 4, 4, pps=2), _cfg(64, 64, 32, 4, 3, pps=2)]
+    _BN_MIN = min(c.kwargs["BN"] for c in _DGLU_CONFIGS)  # partial-dscales slot width on GPU
+    _gg.FIXED_CONFIGS["glu"] = (_GLU_CONFIGS[2], _GLU_CONFIGS[5])
+    _gg.FIXED_CONFIGS["dglu"] = (_DGLU_CONFIGS[1], _DGLU_CONFIGS[5])
+    _glu_fwd_tuned = triton.autotune(_GLU_CONFIGS, key=["F", "K", "USE_TMA", "KIND", "HAS_BIAS", "HAS_SCALE",
+                                                        "FLATTEN"])(
+        _glu_fwd_kernel)
+    _dglu_tuned = triton.autotune(_DGLU_CONFIGS, key=["F", "H", "USE_TMA", "KIND", "HAS_SCALE", "NEED_DS", "FLATTEN"],
+                                  reset_to_zero=["part_ptr"])(_dglu_kernel)
+
+
+def _kind(kind: str, scales) -> int:
+    if kind not in _KINDS:
+        raise ValueError(f"kind={kind!r}; expected one of {sorted(_KINDS)}")
+    if kind == "scaled_swiglu" and scales is None:
+        raise ValueError("kind='scaled_swiglu' needs scales")
+    return _KINDS[kind]
+
+
+def _interp(t: torch.Tensor) -> bool:
+    return interpreter_enabled() and not t.is_cuda
+
+
+# ----------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("fusible_ops::grouped_glu_fwd", mutates_args=())
+def _grouped_glu_fwd_op(x: torch.Tensor, w1: torch.Tensor, split_sizes: torch.Tensor, bias1: Optional[torch.Tensor],
+                        kind: str, scales: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    M, K = x.shape
+    G, F = w1.shape[0], w1.shape[1] // 2
+    h = torch.empty((M, 2 * F), dtype=x.dtype, device=x.device)
+    y = torch.empty((M, F), dtype=x.dtype, device=x.device)
+    if M == 0 or F == 0:
+        return y, h
+    use_tma = K > 0 and _gg._tma_ok(x, w1)
+    dummy = h
+    args = (x, w1, h, y, bias1 if bias1 is not None else dummy, scales if scales is not None else dummy,
+            split_sizes, M, F, K, G, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
+            h.stride(0), h.stride(1), y.stride(0), y.stride(1),
+            bias1.stride(0) if bias1 is not None else 0, bias1.stride(1) if bias1 is not None else 0,
+            scales.stride(0) if scales is not None else 0)
+    const = dict(HAS_BIAS=bias1 is not None, HAS_SCALE=scales is not None, KIND=_kind(kind, scales),
+                 USE_TMA=use_tma, PREC=_gg._prec(x.dtype), G_P2=_gg._g_p2(G), FLATTEN=_gg.FLATTEN and x.is_cuda)
+    _gg._run("glu", _glu_fwd_tuned, _glu_fwd_kernel, _gg._persistent_grid(M, G, F, x.device), args, const, x.dtype,
+             x.device, _gg._INTERP_MN)
+    return y, h
+
+
+@_grouped_glu_fwd_op.register_fake
+def _(x, w1, split_sizes, bias1, kind, scales):
+    F = w1.shape[1] // 2
+    return x.new_empty((x.shape[0], F)), x.new_empty((x.shape[0], 2 * F))
+
+
+@torch.library.custom_op("fusible_ops::grouped_dglu", mutates_args=())
+def _grouped_dglu_op(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Tensor, h: torch.Tensor, kind: str,
+                     scales: Optional[torch.Tensor], need_dscales: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    M, H = dy2.shape
+    G, F = w2.shape[0], w2.shape[2]
+    dh = torch.empty((M, 2 * F), dtype=dy2.dtype, device=dy2.device)
+    y = torch.empty((M, F), dtype=h.dtype, device=h.device)
+    need_ds = bool(need_dscales)
+    bn_min = _gg._INTERP_MN["BN"] if _interp(dy2) else _BN_MIN
+    parts = torch.zeros((triton.cdiv(F, bn_min) if need_ds else 0, M), dtype=torch.float32, device=dy2.device)
+    if M == 0 or F == 0:
+        return dh, y, parts.sum(0) if need_ds else parts.new_empty(0)
+    use_tma = H > 0 and _gg._tma_ok(dy2, w2)
+    args = (dy2, w2, h, scales if scales is not None else h, dh, y, parts if need_ds else dh, split_sizes,
+            M, F, H, G, dy2.stride(0), dy2.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+            h.stride(0), h.stride(1), scales.stride(0) if scales is not None else 0,
+            dh.stride(0), dh.stride(1), y.stride(0), y.stride(1))
+    const = dict(HAS_SCALE=scales is not None, NEED_DS=need_ds, KIND=_kind(kind, scales), USE_TMA=use_tma,
+                 PREC=_gg._prec(dy2.dtype), G_P2=_gg._g_p2(G), BN_MIN=bn_min, FLATTEN=_gg.FLATTEN and dy2.is_cuda)
+    _gg._run("dglu", _dglu_tuned, _dglu_kernel, _gg._persistent_grid(M, G, F, dy2.device), args, const, dy2.dtype,
+             dy2.device, _gg._INTERP_MN)
+    return dh, y, parts.sum(0) if need_ds else parts.new_empty(0)
+
+
+@_grouped_dglu_op.register_fake
+def _(dy2, w2, split_sizes, h, kind, scales, need_dscales):
+    M, F = dy2.shape[0], w2.shape[2]
+    ds = dy2.new_empty((M if need_dscales else 0,), dtype=torch.float32)
+    return dy2.new_empty((M, 2 * F)), h.new_empty((M, F)), ds
+
+
+# ----------------------------------------------------------------------------- public API
+def _check_glu(split_sizes, G, *tensors):
+    _gg._check(split_sizes, G, *[t for t in tensors if t is not None])
+
+
+def grouped_glu_fwd(x: torch.Tensor, w1: torch.Tensor, split_sizes: torch.Tensor, bias1: Optional[torch.Tensor],
+                    kind: str, scales: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FC1 + GLU in one grouped kernel (activation in the epilogue).
+
+    x [M, K], w1 [G, 2F, K] (x's dtype), bias1 [G, 2F] or None, split_sizes [G] int64, scales [M]
+    (any float dtype) or None. Returns (y, h): h = x_g @ w1[g].T (+ bias1[g]) [M, 2F] in x's dtype
+    (kept for backward); y = act(h[:, :F]) * h[:, F:] (* scales[:, None]) [M, F] in x's dtype,
+    computed in fp32 from h as rounded to x's dtype. Sync-free, one launch.
+    """
+    _kind(kind, scales)
+    if w1.shape[1] % 2:
+        raise ValueError(f"w1 must be [G, 2F, K]; got {tuple(w1.shape)}")
+    _check_glu(split_sizes, w1.shape[0], x, w1, bias1, scales)
+    if use_triton(x, w1, split_sizes, bias1, scales) and x.dtype in _gg._TRITON_DTYPES:
+        return torch.ops.fusible_ops.grouped_glu_fwd(x, w1, split_sizes, bias1, kind, scales)
+    return grouped_glu_fwd_ref(x, w1, split_sizes, bias1, kind, scales)
+
+
+def grouped_dglu(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Tensor, h: torch.Tensor, kind: str,
+                 scales: Optional[torch.Tensor] = None, need_dscales: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """FC2 input gradient with the GLU backward in its epilogue.
+
+    dy2 [M, H] (gradient of FC2's output), w2 [G, H, F], h [M, 2F] (FC1 output from forward),
+    scales [M] or None. With g = dy2_g @ w2[g] (fp32, never stored) and glu = act(a) * b:
+    returns (dh, y, dscales): dh [M, 2F] in dy2's dtype = d(glu * scales)/dh applied to g;
+    y [M, F] in h's dtype = glu(h) (* scales), recomputed for FC2's wgrad; dscales [M] fp32 =
+    sum_j g[r, j] * glu[r, j] if need_dscales (deterministic, no atomics) else None.
+    """
+    _kind(kind, scales)
+    F = w2.shape[2]
+    if tuple(h.shape) != (dy2.shape[0], 2 * F):
+        raise ValueError(f"h must be [M, 2F] = {(dy2.shape[0], 2 * F)}, got {tuple(h.shape)}")
+    _check_glu(split_sizes, w2.shape[0], dy2, w2, h, scales)
+    if use_triton(dy2, w2, split_sizes, h, scales) and dy2.dtype in _gg._TRITON_DTYPES:
+        dh, y, ds = torch.ops.fusible_ops.grouped_dglu(dy2, w2, split_sizes, h, kind, scales, need_dscales)
+        return dh, y, (ds if need_dscales else None)
+    return grouped_dglu_ref(dy2, w2, split_sizes, h, kind, scales, need_dscales)
+
+
+# ----------------------------------------------------------------------------- references
+def _act_ref(a: torch.Tensor, kind: str):
+    """(act(a), act'(a)) with the same formulas as the kernel (a in fp32 or fp64)."""
+    if _KINDS[kind] == 0:
+        s = torch.sigmoid(a)
+        return a * s, s * (1 + a * (1 - s))
+    if _KINDS[kind] == 1:
+        cdf = 0.5 * (1 + torch.erf(a * 0.7071067811865476))
+        return a * cdf, cdf + a * torch.exp(-0.5 * a * a) * 0.3989422804014327
+    t = torch.tanh(0.7978845608028654 * (a + 0.044715 * a ** 3))
+    return 0.5 * a * (1 + t), 0.5 * (1 + t) + 0.5 * a * (1 - t * t) * 0.7978845608028654 * (1 + 0.134145 * a * a)
+
+
+def grouped_glu_fwd_ref(x: torch.Tensor, w1: torch.Tensor, split_sizes: torch.Tensor, bias1: Optional[torch.Tensor],
+                        kind: str, scales: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch twin of :func:`grouped_glu_fwd` (per-group loop, fp32 math, syncs)."""
+    _kind(kind, scales)
+    acc = _gg._acc_dtype(x.dtype)
+    h = _gg.grouped_gemm_fwd_ref(x, w1, split_sizes, bias1)
+    a, b = h.to(acc).chunk(2, dim=-1)
+    y = _act_ref(a, kind)[0] * b
+    if scales is not None:
+        y = y * scales.to(acc)[:, None]
+    return y.to(x.dtype), h
+
+
+def grouped_dglu_ref(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Tensor, h: torch.Tensor, kind: str,
+                     scales: Optional[torch.Tensor] = None, need_dscales: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Pure-torch twin of :func:`grouped_dglu` (g kept in fp32 like the kernel; fp64 for fp64)."""
+    _kind(kind, scales)
+    acc = _gg._acc_dtype(dy2.dtype)
+    F = w2.shape[2]
+    g = torch.zeros((dy2.shape[0], F), dtype=acc, device=dy2.device)
+    for gi, (s, e) in enumerate(_gg._bounds(split_sizes)):
+        if e > s:
+            g[s:e] = dy2[s:e].to(acc) @ w2[gi].to(acc)
+    a, b = h.to(acc).chunk(2, dim=-1)
+    act, dact = _act_ref(a, kind)
+    glu = act * b
+    ds = (g * glu).sum(-1) if need_dscales else None
+    if scales is not None:
+        sc = scales.to(acc)[:, None]
+        g, glu = g * sc, glu * sc
+    dh = torch.cat([g * b * dact, g * act], dim=-1).to(dy2.dtype)
+    return dh, glu.to(h.dtype), ds
+
+
+__all__ = ["grouped_glu_fwd", "grouped_dglu", "grouped_glu_fwd_ref", "grouped_dglu_ref"]
