@@ -321,3 +321,11 @@ def test_gpu_torch_compile_fullgraph():
     # public functions trace too
     g = torch.compile(lambda x, w, b, r: N.layernorm_fwd(x, w, b, EPS, r)[0], fullgraph=True)
     torch.testing.assert_close(g(x, w, b, r), N.layernorm_fwd(x, w, b, EPS, r)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
+def test_triton_interpreter_bwd_reload(monkeypatch, rms):
+    """The fused backward's RELOAD mode (wide rows: xsum/dy loaded twice) matches float64 math."""
+    monkeypatch.setattr(N, "_BWD_RELOAD_MIN_N", 1)
+    _check_norm((5, 33), torch.bfloat16, torch.float32, True, True, True, True, "rows", rms=rms)
+    _check_norm((3, 7), torch.float16, None, False, False, False, False, None, rms=rms)
