@@ -92,7 +92,7 @@ if HAS_TRITON:
             for k0 in range(0, KIN, BK):
                 offs_k = k0 + tl.arange(0, BK)
                 kmask = offs_k < KIN
-                a = tl.load(a_row + offs_k[None, :] * s_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                a = tl.load(a_row + offs_k.to(tl.int64)[None, :] * s_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
                 b = tl.load(b_base + offs_k.to(tl.int64)[:, None] * s_bk, mask=kmask[:, None] & nmask[None, :],
                             other=0.0)
                 acc = tl.dot(a, b, acc, input_precision=PREC)
@@ -141,17 +141,17 @@ if HAS_TRITON:
             acc = _mainloop(acc, a_ptr, a_desc, b_ptr, b_desc, g, row0, rows, rmask, n0, offs_n, nmask,
                             KIN, s_am, s_ak, s_bg, s_bk, s_bn, B_KMAJOR, USE_TMA, PREC, BN, BK)
             if HAS_BIAS:
-                bias = tl.load(bias_ptr + g.to(tl.int64) * s_biasg + offs_n * s_biasn, mask=nmask, other=0.0)
+                bias = tl.load(bias_ptr + g.to(tl.int64) * s_biasg + offs_n.to(tl.int64) * s_biasn, mask=nmask, other=0.0)
                 acc += bias.to(tl.float32)[None, :]
             # masked pointer store (rows past the group end belong to the next group)
-            c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn
+            c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn  # c: ours, contiguous
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
     @triton.jit
     def _wgrad_store(acc, o_base, offs_n, nmask, c0, K, mg, s_on, s_ok, ACCUMULATE: tl.constexpr, BC: tl.constexpr):
         """Store (or add into) out[g][n-tile, c0:c0+BC] from the fp32 tile ``acc``."""
         offs_k = c0 + tl.arange(0, BC)
-        o_ptrs = o_base + offs_n.to(tl.int64)[:, None] * s_on + offs_k[None, :] * s_ok
+        o_ptrs = o_base + offs_n.to(tl.int64)[:, None] * s_on + offs_k.to(tl.int64)[None, :] * s_ok
         if ACCUMULATE:
             K = tl.where(mg > 0, K, 0)  # empty groups stay untouched
         omask = nmask[:, None] & (offs_k < K)[None, :]
@@ -240,35 +240,37 @@ if HAS_TRITON:
         acc = tl.zeros((BR, BN), dtype=tl.float32)
         for r in range(0, mg, BR):
             lr = r + tl.arange(0, BR)
-            ptrs = dy_ptr + (r0 + lr).to(tl.int64)[:, None] * s_dym + offs_n[None, :] * s_dyn
+            ptrs = dy_ptr + (r0 + lr).to(tl.int64)[:, None] * s_dym + offs_n.to(tl.int64)[None, :] * s_dyn
             acc += tl.load(ptrs, mask=(lr < mg)[:, None] & nmask[None, :], other=0.0).to(tl.float32)
         tl.store(db_ptr + g.to(tl.int64) * N + offs_n, tl.sum(acc, 0).to(db_ptr.dtype.element_ty), mask=nmask)
 
-    def _cfg(bm, bn, bk, warps, stages, pps=1):
-        return triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "PPS": pps}, num_warps=warps,
-                             num_stages=stages)
+    def _cfg(bm, bn, bk, warps, stages, pps=1, flat=False):
+        meta = {"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "PPS": pps}
+        if flat:  # (kernels default FLATTEN=False; the GLU-fwd kernel has no FLATTEN)
+            meta["FLATTEN"] = True
+        return triton.Config(meta, num_warps=warps, num_stages=stages)
 
     def _wcfg(bn, bk, br, warps, stages):
         return triton.Config({"BN": bn, "BK": bk, "BR": br, "GROUP_N": 8}, num_warps=warps, num_stages=stages)
 
     # Small explicit lists (Hopper, bf16/fp16 first; the small ones serve fp32 "ieee").
-    # PPS=2 where two programs fit on an SM (<= 4 warps, <= ~110 KB shared memory).
-    _MN_CONFIGS = [_cfg(128, 256, 64, 8, 3), _cfg(128, 256, 64, 8, 4), _cfg(128, 128, 64, 8, 4),
+    # PPS=2 where two programs fit on an SM (<= 4 warps, <= ~110 KB shared memory); flat: the
+    # persistent tile loop is flattened with the K loop (loads of the next tile overlap the epilogue).
+    _MN_CONFIGS = [_cfg(128, 256, 64, 8, 3), _cfg(128, 256, 64, 8, 4), _cfg(128, 256, 64, 8, 3, flat=True),
                    _cfg(128, 128, 64, 4, 3, pps=2), _cfg(64, 128, 64, 4, 4, pps=2), _cfg(64, 64, 32, 4, 3, pps=2)]
-    _WG_CONFIGS = [_wcfg(128, 256, 64, 8, 3), _wcfg(128, 128, 64, 8, 4), _wcfg(128, 128, 64, 8, 3),
-                   _wcfg(64, 128, 64, 4, 4), _wcfg(64, 64, 32, 4, 3)]
-    _ggemm_tuned = triton.autotune(_MN_CONFIGS, key=["NOUT", "KIN", "USE_TMA", "B_KMAJOR", "HAS_BIAS", "FLATTEN"])(
-        _ggemm_kernel)
+    # wgrad: long per-group reductions like big tiles; short ones (many small groups) like a small
+    # BR and several CTAs per SM (pipeline fill and epilogue of one overlap the others' mainloop).
+    _WG_CONFIGS = [_wcfg(128, 256, 64, 8, 3), _wcfg(128, 256, 32, 8, 4), _wcfg(128, 128, 64, 4, 3),
+                   _wcfg(128, 128, 32, 4, 4), _wcfg(128, 128, 32, 4, 3), _wcfg(64, 64, 32, 4, 3)]
+    _ggemm_tuned = triton.autotune(_MN_CONFIGS, key=["NOUT", "KIN", "USE_TMA", "B_KMAJOR", "HAS_BIAS"])(_ggemm_kernel)
     _wgrad_tuned = triton.autotune(_WG_CONFIGS, key=["N", "K", "USE_TMA", "ACCUMULATE"],
                                    restore_value=["out_ptr"])(_ggemm_wgrad_kernel)
     # Configs used when AUTOTUNE is off: {kernel: (16-bit config, fp32 config)}.
-    FIXED_CONFIGS = {"mn": (_MN_CONFIGS[2], _MN_CONFIGS[5]), "wgrad": (_WG_CONFIGS[1], _WG_CONFIGS[4])}
+    FIXED_CONFIGS = {"mn": (_cfg(128, 128, 64, 8, 4), _MN_CONFIGS[5]), "wgrad": (_WG_CONFIGS[3], _WG_CONFIGS[5])}
 
 # Autotune on GPU (keyed on N, K, dtype and flags only). FUSIBLE_OPS_GGEMM_AUTOTUNE=0 (or setting
 # AUTOTUNE = False) uses FIXED_CONFIGS instead: no tuning pass, e.g. for tests.
 AUTOTUNE = os.environ.get("FUSIBLE_OPS_GGEMM_AUTOTUNE", "1") != "0"
-# Flatten the persistent tile loop with the K loop (software pipelining across tiles).
-FLATTEN = os.environ.get("FUSIBLE_OPS_GGEMM_FLATTEN", "0") == "1"
 # Fixed tiny configs under the interpreter (no autotuning on CPU; persistent loop exercised).
 _INTERP_MN = {"BM": 16, "BN": 16, "BK": 16, "GROUP_M": 2}
 _INTERP_WG = {"BN": 16, "BK": 16, "BR": 16, "GROUP_N": 2}
@@ -346,6 +348,11 @@ def _check(split_sizes: torch.Tensor, G: int, *tensors: torch.Tensor) -> None:
             raise ValueError(f"all tensors must be on {dev}; got one on {t.device}")
 
 
+def _same_dtype(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(f"operands must share a dtype, got {a.dtype} and {b.dtype}")
+
+
 def _launch_mn(a, b, c, bias, split, nout, kin, s_bk, s_bn, b_kmajor):
     """Launch _ggemm_kernel: c[M, nout] = grouped a[M, kin] @ B_g (+ bias). One launch."""
     M, G = a.shape[0], b.shape[0]
@@ -357,8 +364,7 @@ def _launch_mn(a, b, c, bias, split, nout, kin, s_bk, s_bn, b_kmajor):
     s_biasg, s_biasn = (bias.stride(0), bias.stride(1)) if has_bias else (0, 0)
     args = (a, b, c, bias_arg, split, M, nout, kin, G, a.stride(0), a.stride(1), b.stride(0), s_bk, s_bn,
             c.stride(0), c.stride(1), s_biasg, s_biasn)
-    const = dict(HAS_BIAS=has_bias, B_KMAJOR=b_kmajor, USE_TMA=use_tma, PREC=_prec(a.dtype), G_P2=_g_p2(G),
-                 FLATTEN=FLATTEN and a.is_cuda)
+    const = dict(HAS_BIAS=has_bias, B_KMAJOR=b_kmajor, USE_TMA=use_tma, PREC=_prec(a.dtype), G_P2=_g_p2(G))
     _run("mn", _ggemm_tuned, _ggemm_kernel, _persistent_grid(M, G, nout, a.device), args, const, a.dtype, a.device,
          _INTERP_MN)
     return c
@@ -455,6 +461,7 @@ def grouped_gemm_fwd(x: torch.Tensor, w: torch.Tensor, split_sizes: torch.Tensor
     """
     G = w.shape[0]
     _check(split_sizes, G, x, w, *([bias] if bias is not None else []))
+    _same_dtype(x, w)
     if use_triton(x, w, split_sizes, bias) and x.dtype in _TRITON_DTYPES:
         return torch.ops.fusible_ops.grouped_gemm_fwd(x, w, split_sizes, bias)
     return grouped_gemm_fwd_ref(x, w, split_sizes, bias)
@@ -466,6 +473,7 @@ def grouped_gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, split_sizes: torch.Ten
     dy [M, N], w [G, N, K], split_sizes [G] int64. Returns dx [M, K] in dy's dtype (fp32 accumulate).
     """
     _check(split_sizes, w.shape[0], dy, w)
+    _same_dtype(dy, w)
     if use_triton(dy, w, split_sizes) and dy.dtype in _TRITON_DTYPES:
         return torch.ops.fusible_ops.grouped_gemm_dgrad(dy, w, split_sizes)
     return grouped_gemm_dgrad_ref(dy, w, split_sizes)
@@ -482,6 +490,7 @@ def grouped_gemm_wgrad(dy: torch.Tensor, x: torch.Tensor, split_sizes: torch.Ten
     """
     G = split_sizes.shape[0]
     _check(split_sizes, G, dy, x, *([out] if out is not None else []))
+    _same_dtype(dy, x)
     if out is not None and tuple(out.shape) != (G, dy.shape[1], x.shape[1]):
         raise ValueError(f"out must be [G, N, K] = {(G, dy.shape[1], x.shape[1])}, got {tuple(out.shape)}")
     if use_triton(dy, x, split_sizes, out) and x.dtype in _TRITON_DTYPES and (

@@ -66,7 +66,7 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, KIND: tl.constexpr, USE_TMA: tl.constexpr,
         PREC: tl.constexpr, G_P2: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-        FLATTEN: tl.constexpr = False, PPS: tl.constexpr = 1,  # PPS: programs per SM (read by the grid)
+        PPS: tl.constexpr = 1,  # programs per SM (read by the grid)
     ):
         """h = x_g @ w1[g].T (+ b1[g]); y = act(h_a) * h_b (* scale); persistent over all tiles."""
         TILES_N = tl.cdiv(F, BN)
@@ -78,7 +78,8 @@ if HAS_TRITON:
             x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[s_xm, 1], block_shape=[BM, BK])
             w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, 2 * F, K], strides=[s_wg, s_wn, 1],
                                                block_shape=[1, BN, BK])
-        for t in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
+        # plain range: tl.range(flatten=False) costs 33 KB more shared memory here (Triton 3.6)
+        for t in range(tl.program_id(0), total, tl.num_programs(0)):
             g, r0, mg, pid_m, pid_n = _locate_tile(t, gi, start, m, tile_end, tiles, TILES_N, BM, GROUP_M)
             row0 = r0 + pid_m * BM
             local_m = pid_m * BM + tl.arange(0, BM)
@@ -102,21 +103,21 @@ if HAS_TRITON:
                 for k0 in range(0, K, BK):
                     offs_k = k0 + tl.arange(0, BK)
                     kmask = offs_k < K
-                    a = tl.load(x_row + offs_k[None, :] * s_xk, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    a = tl.load(x_row + offs_k.to(tl.int64)[None, :] * s_xk, mask=rmask[:, None] & kmask[None, :], other=0.0)
                     wmask = kmask[:, None] & nmask[None, :]
                     wp = w_base + offs_k.to(tl.int64)[:, None] * s_wk
                     wa = tl.load(wp, mask=wmask, other=0.0)
-                    wb = tl.load(wp + F * s_wn, mask=wmask, other=0.0)
+                    wb = tl.load(wp + tl.cast(F, tl.int64) * s_wn, mask=wmask, other=0.0)
                     acc_a = tl.dot(a, wa, acc_a, input_precision=PREC)
                     acc_b = tl.dot(a, wb, acc_b, input_precision=PREC)
             if HAS_BIAS:
-                bp = bias_ptr + g.to(tl.int64) * s_bg + offs_n * s_bn
+                bp = bias_ptr + g.to(tl.int64) * s_bg + offs_n.to(tl.int64) * s_bn
                 acc_a += tl.load(bp, mask=nmask, other=0.0).to(tl.float32)[None, :]
-                acc_b += tl.load(bp + F * s_bn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                acc_b += tl.load(bp + tl.cast(F, tl.int64) * s_bn, mask=nmask, other=0.0).to(tl.float32)[None, :]
             mask = rmask[:, None] & nmask[None, :]
             ha = acc_a.to(h_ptr.dtype.element_ty)
             hb = acc_b.to(h_ptr.dtype.element_ty)
-            hp = h_ptr + rows[:, None] * s_hm + offs_n[None, :] * s_hn
+            hp = h_ptr + rows[:, None] * s_hm + offs_n[None, :] * s_hn  # h, y: ours, contiguous
             tl.store(hp, ha, mask=mask)
             tl.store(hp + F * s_hn, hb, mask=mask)
             act, _unused = _act(ha.to(tl.float32), KIND)
@@ -132,14 +133,14 @@ if HAS_TRITON:
         returns the row partials of sum_j g * glu (unscaled)."""
         offs = c0 + tl.arange(0, BC)
         mask = rmask[:, None] & (offs < F)[None, :]
-        hp = h_ptr + rows[:, None] * s_hm + offs[None, :] * s_hn
+        hp = h_ptr + rows[:, None] * s_hm + offs.to(tl.int64)[None, :] * s_hn
         a = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(hp + F * s_hn, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(hp + tl.cast(F, tl.int64) * s_hn, mask=mask, other=0.0).to(tl.float32)
         act, dact = _act(a, KIND)
         glu = act * b
         ds = tl.sum(tl.where(mask, acc * glu, 0.0), 1)
         gs = acc * s
-        dhp = dh_ptr + rows[:, None] * s_dhm + offs[None, :] * s_dhn
+        dhp = dh_ptr + rows[:, None] * s_dhm + offs[None, :] * s_dhn  # dh, y: ours, contiguous
         tl.store(dhp, (gs * b * dact).to(dh_ptr.dtype.element_ty), mask=mask)
         tl.store(dhp + F * s_dhn, (gs * act).to(dh_ptr.dtype.element_ty), mask=mask)
         tl.store(y_ptr + rows[:, None] * s_ym + offs[None, :] * s_yn, (glu * s).to(y_ptr.dtype.element_ty), mask=mask)
@@ -153,7 +154,7 @@ if HAS_TRITON:
         scale_ptr,  # [M] or dummy
         dh_ptr,  # [M, 2F] out, dy's dtype
         y_ptr,  # [M, F] out, h's dtype
-        part_ptr,  # [P, M] fp32 zero-initialised partial dscales, P = cdiv(F, BN_MIN); or dummy
+        part_ptr,  # [P, M] fp32 partial dscales (every slot written), P = cdiv(F, BN_MIN); or dummy
         split_ptr,  # [G] int64
         M, F, H, G,
         s_dym, s_dyh, s_wg, s_wh, s_wf, s_hm, s_hn, s_s, s_dhm, s_dhn, s_ym, s_yn,
@@ -215,22 +216,30 @@ if HAS_TRITON:
                 ds = _dglu_epi(acc, rows, rmask, n0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
                                KIND, BN)
             if NEED_DS:
-                tl.store(part_ptr + (pid_n * (BN // BN_MIN)).to(tl.int64) * M + rows, ds, mask=rmask)
+                # this tile owns slots [slot0, slot0 + BN/BN_MIN): its sum in the first, zeros in the
+                # rest, so the buffer needs no memset and any autotuned BN gives the same sum.
+                slot0 = pid_n * (BN // BN_MIN)
+                for j in tl.static_range(BN // BN_MIN):
+                    pmask = rmask & ((rows * 0 + slot0 + j) < tl.cdiv(F, BN_MIN))
+                    pptr = part_ptr + (slot0 + j).to(tl.int64) * M + rows
+                    if j == 0:
+                        tl.store(pptr, ds, mask=pmask)
+                    else:
+                        tl.store(pptr, tl.zeros_like(ds), mask=pmask)
 
     _cfg = _gg._cfg
     # GLU fwd: BN is per half, so the effective output tile is BM x 2BN.
     _GLU_CONFIGS = [_cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 64, 64, 8, 4),
                     _cfg(128, 64, 64, 4, 3, pps=2), _cfg(64, 128, 64, 4, 3, pps=2), _cfg(64, 64, 32, 4, 3, pps=2)]
-    _DGLU_CONFIGS = [_cfg(128, 256, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 128, 64, 8, 3),
+    _DGLU_CONFIGS = [_cfg(128, 256, 64, 8, 3), _cfg(128, 256, 64, 8, 3, flat=True), _cfg(128, 128, 64, 8, 4),
                      _cfg(128, 128, 64, 4, 3, pps=2), _cfg(64, 128, 64, 4, 4, pps=2), _cfg(64, 64, 32, 4, 3, pps=2)]
     _BN_MIN = min(c.kwargs["BN"] for c in _DGLU_CONFIGS)  # partial-dscales slot width on GPU
     _gg.FIXED_CONFIGS["glu"] = (_GLU_CONFIGS[2], _GLU_CONFIGS[5])
-    _gg.FIXED_CONFIGS["dglu"] = (_DGLU_CONFIGS[1], _DGLU_CONFIGS[5])
-    _glu_fwd_tuned = triton.autotune(_GLU_CONFIGS, key=["F", "K", "USE_TMA", "KIND", "HAS_BIAS", "HAS_SCALE",
-                                                        "FLATTEN"])(
+    _gg.FIXED_CONFIGS["dglu"] = (_DGLU_CONFIGS[2], _DGLU_CONFIGS[5])
+    _glu_fwd_tuned = triton.autotune(_GLU_CONFIGS, key=["F", "K", "USE_TMA", "KIND", "HAS_BIAS", "HAS_SCALE"])(
         _glu_fwd_kernel)
-    _dglu_tuned = triton.autotune(_DGLU_CONFIGS, key=["F", "H", "USE_TMA", "KIND", "HAS_SCALE", "NEED_DS", "FLATTEN"],
-                                  reset_to_zero=["part_ptr"])(_dglu_kernel)
+    _dglu_tuned = triton.autotune(_DGLU_CONFIGS, key=["F", "H", "USE_TMA", "KIND", "HAS_SCALE", "NEED_DS"])(
+        _dglu_kernel)
 
 
 def _kind(kind: str, scales) -> int:
@@ -263,7 +272,7 @@ def _grouped_glu_fwd_op(x: torch.Tensor, w1: torch.Tensor, split_sizes: torch.Te
             bias1.stride(0) if bias1 is not None else 0, bias1.stride(1) if bias1 is not None else 0,
             scales.stride(0) if scales is not None else 0)
     const = dict(HAS_BIAS=bias1 is not None, HAS_SCALE=scales is not None, KIND=_kind(kind, scales),
-                 USE_TMA=use_tma, PREC=_gg._prec(x.dtype), G_P2=_gg._g_p2(G), FLATTEN=_gg.FLATTEN and x.is_cuda)
+                 USE_TMA=use_tma, PREC=_gg._prec(x.dtype), G_P2=_gg._g_p2(G))
     _gg._run("glu", _glu_fwd_tuned, _glu_fwd_kernel, _gg._persistent_grid(M, G, F, x.device), args, const, x.dtype,
              x.device, _gg._INTERP_MN)
     return y, h
@@ -284,8 +293,8 @@ def _grouped_dglu_op(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Ten
     dh = torch.empty((M, 2 * F), dtype=dy2.dtype, device=dy2.device)
     y = torch.empty((M, F), dtype=h.dtype, device=h.device)
     need_ds = bool(need_dscales)
-    bn_min = _gg._INTERP_MN["BN"] if _interp(dy2) else _BN_MIN
-    parts = torch.zeros((triton.cdiv(F, bn_min) if need_ds else 0, M), dtype=torch.float32, device=dy2.device)
+    bn_min = _gg._INTERP_MN["BN"] // 2 if _interp(dy2) else _BN_MIN  # (2 slots per tile in the interpreter)
+    parts = torch.empty((triton.cdiv(F, bn_min) if need_ds else 0, M), dtype=torch.float32, device=dy2.device)
     if M == 0 or F == 0:
         return dh, y, parts.sum(0) if need_ds else parts.new_empty(0)
     use_tma = H > 0 and _gg._tma_ok(dy2, w2)
@@ -294,7 +303,7 @@ def _grouped_dglu_op(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Ten
             h.stride(0), h.stride(1), scales.stride(0) if scales is not None else 0,
             dh.stride(0), dh.stride(1), y.stride(0), y.stride(1))
     const = dict(HAS_SCALE=scales is not None, NEED_DS=need_ds, KIND=_kind(kind, scales), USE_TMA=use_tma,
-                 PREC=_gg._prec(dy2.dtype), G_P2=_gg._g_p2(G), BN_MIN=bn_min, FLATTEN=_gg.FLATTEN and dy2.is_cuda)
+                 PREC=_gg._prec(dy2.dtype), G_P2=_gg._g_p2(G), BN_MIN=bn_min)
     _gg._run("dglu", _dglu_tuned, _dglu_kernel, _gg._persistent_grid(M, G, F, dy2.device), args, const, dy2.dtype,
              dy2.device, _gg._INTERP_MN)
     return dh, y, parts.sum(0) if need_ds else parts.new_empty(0)
@@ -308,8 +317,9 @@ def _(dy2, w2, split_sizes, h, kind, scales, need_dscales):
 
 
 # ----------------------------------------------------------------------------- public API
-def _check_glu(split_sizes, G, *tensors):
-    _gg._check(split_sizes, G, *[t for t in tensors if t is not None])
+def _check_glu(split_sizes, G, a, w, *tensors):
+    _gg._check(split_sizes, G, a, w, *[t for t in tensors if t is not None])
+    _gg._same_dtype(a, w)
 
 
 def grouped_glu_fwd(x: torch.Tensor, w1: torch.Tensor, split_sizes: torch.Tensor, bias1: Optional[torch.Tensor],

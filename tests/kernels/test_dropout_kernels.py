@@ -20,11 +20,59 @@ def _rand_kernel(OFFS, OUT, n, seed, BLOCK: tl.constexpr):
     tl.store(OUT + i, tl.rand(seed, offs), mask=m)
 
 
+@triton.jit
+def _rand4_kernel(OFFS, OUT, n, seed, BLOCK: tl.constexpr):
+    # OFFS [n] int32 or int64 counters; OUT [4, n] fp32 (the 4 words of tl.rand4x)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    offs = tl.load(OFFS + i, mask=m, other=0)
+    u0, u1, u2, u3 = tl.rand4x(seed, offs)
+    tl.store(OUT + i, u0, mask=m)
+    tl.store(OUT + n + i, u1, mask=m)
+    tl.store(OUT + 2 * n + i, u2, mask=m)
+    tl.store(OUT + 3 * n + i, u3, mask=m)
+
+
+@triton.jit
+def _keep_tile_kernel(ROWS, OUT, n_rows, n_cols, p, seed, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                      OFF64: tl.constexpr):
+    # ROWS [n_rows] int64 row indices (may be huge: counters with a non-zero high word);
+    # OUT [n_rows, n_cols] int8 keep mask of those rows from D._keep_tile
+    i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    col0 = tl.program_id(1) * BLOCK_C
+    cols = col0 + tl.arange(0, BLOCK_C)
+    rm = i < n_rows
+    rows = tl.load(ROWS + i, mask=rm, other=0)
+    keep = D._keep_tile(seed, rows, col0, n_cols, p, BLOCK_R, BLOCK_C, OFF64)
+    m = rm[:, None] & (cols < n_cols)[None, :]
+    tl.store(OUT + i[:, None] * n_cols + cols[None, :], keep.to(tl.int8), mask=m)
+
+
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiny tiles so that small shapes still span several programs in both grid dims."""
     monkeypatch.setattr(D, "_EW_MAX_BLOCK_C", 16)
     monkeypatch.setattr(D, "_EW_TILE", 64)
+
+
+@pytest.fixture(params=["off32", "off64"])
+def counters(request, monkeypatch):
+    """Runs a test with int32 mask counters (the default at small sizes) and with int64 ones."""
+    if request.param == "off64":
+        monkeypatch.setattr(D, "_OFF64_MIN", 0)
+    return request.param
+
+
+def _mask_formula(shape, p, seed):
+    """The mask contract spelled out: [rows, cols] view, counter r * C4 + c // 4, word c % 4."""
+    cols = shape[-1] if len(shape) else 1
+    rows = (torch.Size(shape).numel() // cols) if cols else 0
+    c4 = (cols + 3) // 4
+    r = torch.arange(rows)[:, None]
+    c = torch.arange(cols)[None, :]
+    u = torch.stack(D.philox_rand4_ref(r * c4 + c // 4, seed), 0)  # [4, rows, cols]
+    u = torch.gather(u, 0, (c % 4).expand(rows, cols)[None])[0]
+    return (u >= torch.tensor(p, dtype=torch.float32)).reshape(shape)
 
 
 def _make(shape, dtype, layout, device="cpu", seed=0):
@@ -87,6 +135,57 @@ def test_philox_ref_bit_identical_to_tl_rand(offs_dtype):
         assert (ref >= 0).all() and (ref < 1).all()
 
 
+@pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
+def test_philox_rand4_ref_bit_identical_to_tl_rand4x(offs_dtype):
+    offs = torch.cat([torch.arange(0, 200), torch.tensor([2**31 - 1, 123456789, 7])]).to(offs_dtype)
+    if offs_dtype == torch.int64:  # counters with a non-zero high word
+        offs = torch.cat([offs, torch.tensor([2**32, 2**32 + 5, 3 * 2**33 + 17, 2**40 - 1])])
+    n = offs.numel()
+    for seed in (0, 424242, 2**31 - 1):
+        out = torch.empty(4, n, dtype=torch.float32)
+        with K.use("triton"):
+            _rand4_kernel[(triton.cdiv(n, 128),)](offs, out, n, seed, BLOCK=128)
+        ref = D.philox_rand4_ref(offs, seed)
+        assert len(ref) == 4
+        for k in range(4):
+            assert ref[k].dtype == torch.float32 and ref[k].shape == offs.shape
+            assert torch.equal(out[k].view(torch.int32), ref[k].view(torch.int32)), f"seed={seed} word={k}"
+        assert torch.equal(D.philox_rand_ref(offs, seed), ref[0])
+
+
+def test_keep_tile_int64_counters_with_high_word():
+    """_keep_tile on rows whose counters exceed 2**32 (int64 path) matches the ref contract."""
+    n_cols, p, seed = 13, 0.45, 77
+    c4 = (n_cols + 3) // 4
+    rows = torch.tensor([0, 1, 2**31 // c4 + 3, 2**33 + 5, 2**40 + 1])
+    out = torch.empty(rows.numel(), n_cols, dtype=torch.int8)
+    with K.use("triton"):
+        _keep_tile_kernel[(triton.cdiv(rows.numel(), 4), triton.cdiv(n_cols, 8))](
+            rows, out, rows.numel(), n_cols, p, seed, BLOCK_R=4, BLOCK_C=8, OFF64=True)
+    c = torch.arange(n_cols)[None, :]
+    u = torch.stack(D.philox_rand4_ref(rows[:, None] * c4 + c // 4, seed), 0)
+    u = torch.gather(u, 0, (c % 4).expand(rows.numel(), n_cols)[None])[0]
+    assert torch.equal(out.bool(), u >= torch.tensor(p, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("tiles", ["default", "small"])
+def test_triton_mask_bit_exact_odd_shapes(tiles, counters, monkeypatch):
+    """The Triton kernel's mask equals the ref mask exactly, incl. cols not a multiple of 4."""
+    if tiles == "small":
+        monkeypatch.setattr(D, "_EW_MAX_BLOCK_C", 8)
+        monkeypatch.setattr(D, "_EW_TILE", 32)
+    for i, shape in enumerate([(3, 5), (7, 33), (1, 1), (5, 1026), (2, 3, 6), (9,), ()]):
+        seed, p = 500 + i, (0.3, 0.5, 0.8)[i % 3]
+        x = torch.rand(shape) + 0.5  # nonzero: y != 0 exactly where kept
+        with K.use("triton"):
+            y = D.dropout_fwd(x, p, seed)
+            dx = D.dropout_bwd(torch.ones(shape), p, seed)
+        keep = D.dropout_keep_mask(shape, p, seed, "cpu")
+        assert torch.equal(keep, _mask_formula(shape, p, seed)), shape
+        assert torch.equal(y != 0, keep), shape
+        assert torch.equal(dx != 0, keep), shape
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_dropout_triton_and_ref_match_float64(dtype, small_tiles):
     cases = [((3, 5), "contiguous"), ((7, 33), "rowstride"), ((1, 1), "contiguous"),
@@ -100,11 +199,23 @@ def test_dropout_default_tiles_and_scalar():
     _check_fwd_bwd((), torch.float32, "contiguous", p=0.5, seed=3)
 
 
-def test_mask_is_flat_index_of_contiguous_view():
+def test_mask_contract_rows_cols_view():
+    """keep[r, c] = rand4x(r * ceil(cols / 4) + c // 4)[c % 4] >= p on the [rows, cols] view."""
     keep = D.dropout_keep_mask((6, 10), 0.4, 9, "cpu")
-    assert torch.equal(keep.reshape(3, 20), D.dropout_keep_mask((3, 20), 0.4, 9, "cpu"))
-    rand = D.philox_rand_ref(torch.arange(60), 9)
-    assert torch.equal(keep.flatten(), rand >= torch.tensor(0.4, dtype=torch.float32))
+    assert torch.equal(keep, _mask_formula((6, 10), 0.4, 9))
+    # only the [rows, cols] view matters: leading dims flatten into rows
+    assert torch.equal(D.dropout_keep_mask((2, 3, 10), 0.4, 9, "cpu").reshape(6, 10), keep)
+    # cols a multiple of 4: the mask is the flat stream of 4-word blocks
+    u = torch.stack(D.philox_rand4_ref(torch.arange(12), 9), -1).flatten()
+    keep8 = D.dropout_keep_mask((6, 8), 0.4, 9, "cpu")
+    assert torch.equal(keep8.flatten(), u >= torch.tensor(0.4, dtype=torch.float32))
+    # cols not a multiple of 4: each row starts a new counter (last words unused)
+    keep5 = D.dropout_keep_mask((3, 5), 0.4, 9, "cpu")
+    u = torch.stack(D.philox_rand4_ref(torch.arange(6), 9), -1).reshape(3, 8)[:, :5]
+    assert torch.equal(keep5, u >= torch.tensor(0.4, dtype=torch.float32))
+    assert D.dropout_keep_mask((0, 5), 0.4, 9, "cpu").shape == (0, 5)
+    assert D.dropout_keep_mask((4, 0), 0.4, 9, "cpu").shape == (4, 0)
+    assert D.dropout_keep_mask((), 0.4, 9, "cpu").shape == ()
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
@@ -121,7 +232,7 @@ def test_keep_fraction(p):
     assert abs(y.double().mean().item() - 1.0) < 6 * ((p / (1 - p)) / x.numel()) ** 0.5
 
 
-def test_backward_regenerates_forward_mask():
+def test_backward_regenerates_forward_mask(counters):
     x = torch.rand(11, 23) + 0.5
     with K.use("triton"):
         y = D.dropout_fwd(x, 0.35, 2024)
@@ -191,6 +302,31 @@ def test_gpu_mask_bit_identical_and_fraction():
     out = torch.empty(offs.numel(), dtype=torch.float32, device="cuda")
     _rand_kernel[(triton.cdiv(offs.numel(), 1024),)](offs, out, offs.numel(), 99, BLOCK=1024)
     assert torch.equal(out.view(torch.int32), D.philox_rand_ref(offs, 99).view(torch.int32))
+    out4 = torch.empty(4, offs.numel(), dtype=torch.float32, device="cuda")
+    _rand4_kernel[(triton.cdiv(offs.numel(), 1024),)](offs, out4, offs.numel(), 99, BLOCK=1024)
+    for k, ref in enumerate(D.philox_rand4_ref(offs, 99)):
+        assert torch.equal(out4[k].view(torch.int32), ref.view(torch.int32)), k
+
+
+@pytest.mark.gpu
+def test_gpu_mask_odd_shapes_both_counter_widths(monkeypatch):
+    for off64 in (False, True):
+        if off64:
+            monkeypatch.setattr(D, "_OFF64_MIN", 0)
+        for i, shape in enumerate([(3, 5), (7, 33), (1, 1), (5, 1026), (1025, 4099), (3, 2051)]):
+            x = torch.rand(shape, device="cuda") + 0.5
+            y = D.dropout_fwd(x, 0.3, 40 + i)
+            dx = D.dropout_bwd(torch.ones_like(x), 0.3, 40 + i)
+            keep = D.dropout_keep_mask(shape, 0.3, 40 + i, "cpu")
+            assert torch.equal((y != 0).cpu(), keep), (shape, off64)
+            assert torch.equal((dx != 0).cpu(), keep), (shape, off64)
+    rows = torch.tensor([0, 1, 2**31 // 4 + 3, 2**33 + 5, 2**40 + 1], device="cuda")
+    out = torch.empty(rows.numel(), 13, dtype=torch.int8, device="cuda")
+    _keep_tile_kernel[(2, 2)](rows, out, rows.numel(), 13, 0.45, 77, BLOCK_R=4, BLOCK_C=8, OFF64=True)
+    c = torch.arange(13)[None, :]
+    u = torch.stack(D.philox_rand4_ref(rows.cpu()[:, None] * 4 + c // 4, 77), 0)
+    u = torch.gather(u, 0, (c % 4).expand(rows.numel(), 13)[None])[0]
+    assert torch.equal(out.cpu().bool(), u >= torch.tensor(0.45, dtype=torch.float32))
 
 
 @pytest.mark.gpu
