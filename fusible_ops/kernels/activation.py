@@ -7,9 +7,11 @@ Math, all in fp32 (fp64 on the ref path for fp64 inputs); ``z = x + bias`` (or `
 * gated kinds ``swiglu`` / ``geglu`` / ``geglu_tanh`` / ``reglu``: the last dim of z
   (size 2H) is split into ``a = z[..., :H]``, ``b = z[..., H:]`` and
   ``y = act(a) * b`` with act = silu / gelu / gelu_tanh / relu.
-* dropout (optional): ``y = dropout(act(z))`` with the mask of
-  :mod:`fusible_ops.kernels.dropout`, counter = flat index of y in its contiguous
-  ``[rows, cols]`` view, key = seed.
+* dropout (optional): ``y = dropout(act(z))`` with the mask contract of
+  :mod:`fusible_ops.kernels.dropout` applied to y's contiguous ``[rows, cols]`` view
+  (counter ``r * ceil(cols / 4) + c // 4``, component ``c % 4`` of ``tl.rand4x``), key = seed;
+  every kernel gets it from the shared ``_keep_tile`` helper (column tiles start at multiples
+  of a power-of-two ``BLOCK_C >= 4``).
 
 Layout: Triton kernels, launchers + custom ops, public functions, pure-torch refs.
 One forward kernel serves ``bias_act_fwd`` and ``scaled_swiglu_fwd``; one backward
@@ -24,7 +26,15 @@ from typing import Optional
 import torch
 
 from fusible_ops.kernels import HAS_TRITON, use_triton
-from fusible_ops.kernels.dropout import _as_rows, _check_p_seed, _elementwise_config, _keep_scale, dropout_keep_mask
+from fusible_ops.kernels.dropout import (
+    _MIN_BLOCK_C,
+    _as_rows,
+    _check_p_seed,
+    _elementwise_config,
+    _keep_scale,
+    _off64,
+    dropout_keep_mask,
+)
 
 ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "geglu_tanh", "reglu")
 GATED: frozenset[str] = frozenset({"swiglu", "geglu", "geglu_tanh", "reglu"})
@@ -45,6 +55,8 @@ _GELU_C = 0.044715
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from fusible_ops.kernels.dropout import _keep_tile
 
     @triton.jit
     def _tanh(u):
@@ -94,7 +106,8 @@ if HAS_TRITON:
         BLOCK_C: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        col0 = tl.program_id(1) * BLOCK_C
+        cols = col0 + tl.arange(0, BLOCK_C)
         rmask = rows < n_rows
         cmask = cols < n_out
         mask = rmask[:, None] & cmask[None, :]
@@ -110,11 +123,8 @@ if HAS_TRITON:
                 b += tl.load(B + n_out + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             y = y * b
         if DROPOUT:
-            if OFF64:
-                offs = rows64[:, None] * n_out + cols[None, :]
-            else:
-                offs = rows[:, None] * n_out + cols[None, :]
-            y = tl.where(tl.rand(seed, offs) >= p, y * scale, 0.0)
+            keep = _keep_tile(seed, rows, col0, n_out, p, BLOCK_R, BLOCK_C, OFF64)
+            y = tl.where(keep, y * scale, 0.0)
         if HAS_SCALES:
             y = y * tl.load(S + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
         tl.store(Y + rows64[:, None] * n_out + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -150,7 +160,8 @@ if HAS_TRITON:
         pid_r = tl.program_id(0)
         pid_c = tl.program_id(1)
         n_in = 2 * n_out if GATED else n_out
-        cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        col0 = pid_c * BLOCK_C
+        cols = col0 + tl.arange(0, BLOCK_C)
         cmask = cols < n_out
         if HAS_BIAS:
             bias_a = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -172,11 +183,7 @@ if HAS_TRITON:
             else:
                 g = dy
             if DROPOUT:
-                if OFF64:
-                    offs = rows64[:, None] * n_out + cols[None, :]
-                else:
-                    offs = rows[:, None] * n_out + cols[None, :]
-                keep = tl.rand(seed, offs) >= p
+                keep = _keep_tile(seed, rows, col0, n_out, p, BLOCK_R, BLOCK_C, OFF64)
                 g = tl.where(keep, g * scale, 0.0)
             x_ptrs = X + rows64[:, None] * stride_xr + cols[None, :]
             a = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -264,7 +271,7 @@ def _act_fwd_launch(x, bias, scales, kind, dropout_p, seed):
         x2, bias_c, scales_c, y, n_rows, n_out, x2.stride(0),
         float(dropout_p), _keep_scale(dropout_p), int(seed),
         ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None,
-        DROPOUT=dropout_p > 0.0, OFF64=y.numel() >= 2**31,
+        DROPOUT=dropout_p > 0.0, OFF64=_off64(n_rows, n_out),
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
     )
     return y
@@ -285,7 +292,7 @@ def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout
         return dx, dbias, dscales
     x2 = _as_rows(x)
     dy2 = _as_rows(dy.reshape(*x.shape[:-1], n_out))
-    block_c = min(triton.next_power_of_2(n_out), _BWD_MAX_BLOCK_C)
+    block_c = max(_MIN_BLOCK_C, min(triton.next_power_of_2(n_out), _BWD_MAX_BLOCK_C))  # >= 4: _keep_tile
     block_r = max(1, min(triton.next_power_of_2(n_rows), _BWD_TILE // block_c))
     num_warps = 8 if block_r * block_c >= 2048 else 4
     n_col_blocks = triton.cdiv(n_out, block_c)
@@ -303,7 +310,7 @@ def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout
         rows_per_prog, float(dropout_p), _keep_scale(dropout_p), int(seed),
         ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None,
         NEED_DBIAS=need_dbias, NEED_DSCALES=need_dscales, DROPOUT=dropout_p > 0.0,
-        OFF64=n_rows * n_out >= 2**31, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
+        OFF64=_off64(n_rows, n_out), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
     )
     dbias = dbp.sum(0).to(bias.dtype) if need_dbias else None
     dscales = dsp.sum(0).to(scales.dtype).reshape(scales.shape) if need_dscales else None
@@ -396,7 +403,8 @@ def bias_act_fwd(
     :data:`ACTIVATIONS`. Returns y ``[..., N]`` (``[..., N/2]`` for :data:`GATED` kinds,
     act on the first half times the second half), contiguous, x's dtype. Math in fp32.
     With ``dropout_p > 0``, the mask is ``dropout_keep_mask(y.shape, dropout_p, seed)``
-    (counter = flat index of y) and kept values are scaled by ``1 / (1 - dropout_p)``.
+    (the contract of :mod:`fusible_ops.kernels.dropout` on y's ``[rows, cols]`` view) and
+    kept values are scaled by ``1 / (1 - dropout_p)``.
     """
     _check_bias_act(x, bias, kind, dropout_p, seed)
     if use_triton(x, bias):

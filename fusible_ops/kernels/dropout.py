@@ -1,18 +1,24 @@
 """Counter-based dropout: the keep mask is regenerated from ``(seed, p)``, never stored.
 
-Mask definition (shared by every kernel family that fuses dropout):
+Mask definition (shared by every kernel family that fuses dropout; one Philox call per 4
+elements):
 
-* Draw ``u = tl.rand(seed, offset)`` -- Triton's Philox 4x32 with 10 rounds, key
-  ``(seed, 0)``, counter ``(offset_lo, offset_hi, 0, 0)``, first output word turned into
-  a float32 in ``[0, 1)`` by ``uint_to_uniform_float`` -- where ``offset`` is the flat
-  element index in the contiguous (row-major) view of the tensor the mask applies to.
+* View the tensor the mask applies to as contiguous row-major ``[rows, cols]`` (cols = the
+  last dim; a 0-dim tensor is ``[1, 1]``) and let ``C4 = ceil(cols / 4)``.
+* Element ``(r, c)`` uses the counter ``r * C4 + c // 4`` and takes component ``c % 4`` of
+  ``tl.rand4x(seed, counter)`` -- Triton's Philox 4x32 with 10 rounds, key ``(seed, 0)``,
+  counter ``(counter_lo, counter_hi, 0, 0)``, each of the 4 output words turned into a
+  float32 in ``[0, 1)`` by ``uint_to_uniform_float``.
 * ``keep = u >= float32(p)``; kept values are scaled by ``float32(1 / (1 - p))``.
+* Counters are int32 when ``rows * C4 < 2**31``, else int64 (same values either way).
 
-The ``*_ref`` path re-implements that Philox stream in pure torch (int64 arithmetic
-with 32-bit masking), so CPU references and GPU kernels draw bit-identical masks.
+Kernels get the mask of a ``[BLOCK_R, BLOCK_C]`` tile from :func:`_keep_tile` (the tile's
+first column must be a multiple of ``BLOCK_C``, a power of two ``>= 4``). The ``*_ref`` path
+re-implements that Philox stream in pure torch (int64 arithmetic with 32-bit masking,
+:func:`philox_rand4_ref`), so CPU references and GPU kernels draw bit-identical masks.
 Seeds are Python ints in ``[0, 2**31)``; ``p`` is a float in ``[0, 1]``.
 
-Layout: Triton kernel, launcher + custom op, then the pure-torch reference twins.
+Layout: Triton kernels, launcher + custom op, then the pure-torch reference twins.
 """
 
 import torch
@@ -22,6 +28,35 @@ from fusible_ops.kernels import HAS_TRITON, use_triton
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _keep_tile(
+        seed,  # int32 Philox key
+        rows,  # [BLOCK_R] row indices (int32 or int64) in the [n_rows, n_cols] view
+        col_block_start,  # first column of the tile: a multiple of BLOCK_C
+        n_cols,  # cols of the view the mask applies to
+        p,  # fp32 drop probability
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,  # power of two >= 4
+        OFF64: tl.constexpr,  # int64 counters (n_rows * ceil(n_cols / 4) >= 2**31)
+    ):
+        """[BLOCK_R, BLOCK_C] keep mask of the module's mask contract (one Philox per 4 columns).
+
+        Out-of-range rows / columns get arbitrary values: callers mask their loads and stores.
+        """
+        tl.static_assert(BLOCK_C >= 4, "dropout tiles need BLOCK_C >= 4")
+        c4 = (n_cols + 3) // 4
+        q = col_block_start // 4 + tl.arange(0, BLOCK_C // 4)
+        if OFF64:
+            cnt = rows.to(tl.int64)[:, None] * c4 + q.to(tl.int64)[None, :]
+        else:
+            cnt = rows.to(tl.int32)[:, None] * c4 + q[None, :]
+        u0, u1, u2, u3 = tl.rand4x(seed, cnt)
+        # join(x, y) appends a minor dim of size 2 ([..., 0] = x, [..., 1] = y), so
+        # join(join(u0, u2), join(u1, u3))[i, j, a, b] = u_{2a+b}[i, j]; the row-major reshape
+        # puts it at column 4 j + 2 a + b, i.e. component c % 4 of counter c // 4.
+        u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (BLOCK_R, BLOCK_C))
+        return u >= p
 
     @triton.jit
     def _dropout_kernel(
@@ -34,19 +69,16 @@ if HAS_TRITON:
         scale,  # fp32 1 / (1 - p)
         seed,  # int32 Philox key
         BLOCK_R: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        OFF64: tl.constexpr,  # int64 RNG counters (n_rows * n_cols >= 2**31)
+        BLOCK_C: tl.constexpr,  # power of two >= 4
+        OFF64: tl.constexpr,  # int64 RNG counters (n_rows * ceil(n_cols / 4) >= 2**31)
     ):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        col0 = tl.program_id(1) * BLOCK_C
+        cols = col0 + tl.arange(0, BLOCK_C)
         mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
         rows64 = rows.to(tl.int64)
         x = tl.load(X + rows64[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0)
-        if OFF64:
-            offs = rows64[:, None] * n_cols + cols[None, :]
-        else:
-            offs = rows[:, None] * n_cols + cols[None, :]
-        keep = tl.rand(seed, offs) >= p
+        keep = _keep_tile(seed, rows, col0, n_cols, p, BLOCK_R, BLOCK_C, OFF64)
         y = tl.where(keep, x.to(tl.float32) * scale, 0.0)
         tl.store(Y + rows64[:, None] * n_cols + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
@@ -79,11 +111,21 @@ def _keep_scale(p: float) -> float:
 
 _EW_MAX_BLOCK_C = 1024  # tile caps of elementwise passes (tests shrink them to get many programs)
 _EW_TILE = 4096
+_MIN_BLOCK_C = 4  # _keep_tile draws 4 columns per Philox call
+_OFF64_MIN = 2**31  # counters >= this need int64 (tests lower it to run the int64 path)
+
+
+def _off64(n_rows: int, n_cols: int) -> bool:
+    """Whether the mask counters of an ``[n_rows, n_cols]`` view need int64."""
+    return n_rows * ((n_cols + 3) // 4) >= _OFF64_MIN
 
 
 def _elementwise_config(n_rows: int, n_cols: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_C, num_warps) for a memory-bound elementwise pass: ~4096-element tiles."""
-    block_c = min(triton.next_power_of_2(max(n_cols, 1)), _EW_MAX_BLOCK_C)
+    """(BLOCK_R, BLOCK_C, num_warps) for a memory-bound elementwise pass: ~4096-element tiles.
+
+    BLOCK_C is a power of two >= 4 (dropout masks draw 4 columns per Philox call).
+    """
+    block_c = max(_MIN_BLOCK_C, min(triton.next_power_of_2(max(n_cols, 1)), _EW_MAX_BLOCK_C))
     block_r = max(1, min(triton.next_power_of_2(max(n_rows, 1)), _EW_TILE // block_c))
     num_warps = 8 if block_r * block_c >= 4096 else 4
     return block_r, block_c, num_warps
@@ -100,7 +142,7 @@ def _dropout_launch(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
     _dropout_kernel[grid](
         x2, y, n_rows, n_cols, x2.stride(0), float(p), _keep_scale(p), int(seed),
-        BLOCK_R=block_r, BLOCK_C=block_c, OFF64=x.numel() >= 2**31, num_warps=num_warps,
+        BLOCK_R=block_r, BLOCK_C=block_c, OFF64=_off64(n_rows, n_cols), num_warps=num_warps,
     )
     return y
 
@@ -157,7 +199,7 @@ _PHILOX_KEY_B = 0xBB67AE85
 _PHILOX_ROUND_A = 0xD2511F53
 _PHILOX_ROUND_B = 0xCD9E8D57
 _UINT_TO_FLOAT_SCALE = 4.6566127342e-10  # triton.language.random.uint_to_uniform_float (32-bit)
-_CHUNK = 1 << 22  # counters per chunk in the torch Philox (bounds int64 temporaries)
+_CHUNK = 1 << 21  # counters per chunk in the torch Philox (bounds int64 temporaries)
 
 
 def _mulhilo32(a: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,14 +211,15 @@ def _mulhilo32(a: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
-def philox_rand_ref(offsets: torch.Tensor, seed: int) -> torch.Tensor:
-    """Pure-torch twin of ``tl.rand(seed, offsets)``: float32 uniforms in ``[0, 1)``.
+def philox_rand4_ref(counters: torch.Tensor, seed: int) -> tuple[torch.Tensor, ...]:
+    """Pure-torch twin of ``tl.rand4x(seed, counters)``: 4 float32 tensors of uniforms in ``[0, 1)``.
 
-    offsets: integer tensor of non-negative counters (< 2**63), any shape and device.
-    Bit-identical to Triton's Philox 4x32-10 + ``uint_to_uniform_float`` for seeds in
-    ``[0, 2**31)``.
+    counters: integer tensor of non-negative counters (< 2**63), any shape and device.
+    Returns ``(u0, u1, u2, u3)``, each of counters' shape: the 4 output words of Triton's
+    Philox 4x32-10 (key ``(seed, 0)``, counter ``(lo, hi, 0, 0)``) through
+    ``uint_to_uniform_float``; bit-identical to Triton for seeds in ``[0, 2**31)``.
     """
-    off = offsets.to(torch.int64)
+    off = counters.to(torch.int64)
     c0 = off & _M32
     c1 = (off >> 32) & _M32
     c2 = torch.zeros_like(off)
@@ -188,32 +231,59 @@ def philox_rand_ref(offsets: torch.Tensor, seed: int) -> torch.Tensor:
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0 = (k0 + _PHILOX_KEY_A) & _M32
         k1 = (k1 + _PHILOX_KEY_B) & _M32
-    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # bitcast uint32 -> int32
-    x = torch.where(x < 0, ~x, x)  # in [0, 2**31)
-    return x.to(torch.float32) * torch.tensor(_UINT_TO_FLOAT_SCALE, dtype=torch.float32, device=x.device)
+    scale = torch.tensor(_UINT_TO_FLOAT_SCALE, dtype=torch.float32, device=off.device)
+    out = []
+    for c in (c0, c1, c2, c3):
+        x = torch.where(c >= 2**31, c - 2**32, c)  # bitcast uint32 -> int32
+        x = torch.where(x < 0, ~x, x)  # in [0, 2**31)
+        out.append(x.to(torch.float32) * scale)
+    return tuple(out)
+
+
+def philox_rand_ref(offsets: torch.Tensor, seed: int) -> torch.Tensor:
+    """Pure-torch twin of ``tl.rand(seed, offsets)`` (the first word of :func:`philox_rand4_ref`).
+
+    offsets: integer tensor of non-negative counters (< 2**63), any shape and device.
+    Returns float32 uniforms in ``[0, 1)`` of offsets' shape.
+    """
+    return philox_rand4_ref(offsets, seed)[0]
+
+
+def _rows_cols(shape) -> tuple[int, int]:
+    """(rows, cols) of the contiguous ``[rows, cols]`` view the mask contract uses."""
+    if len(shape) == 0:
+        return 1, 1
+    cols = int(shape[-1])
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    return (numel // cols if cols else 0), cols
 
 
 def dropout_keep_mask(shape, p: float, seed: int, device) -> torch.Tensor:
     """The keep mask (bool tensor of ``shape`` on ``device``) used by every dropout kernel.
 
-    ``keep[i] = philox_rand_ref(i, seed) >= float32(p)`` with ``i`` the flat row-major
-    index. All True for ``p == 0``, all False for ``p == 1``.
+    With ``[rows, cols]`` the contiguous view of ``shape`` and ``C4 = ceil(cols / 4)``:
+    ``keep[r, c] = philox_rand4_ref(r * C4 + c // 4, seed)[c % 4] >= float32(p)``.
+    All True for ``p == 0``, all False for ``p == 1``.
     """
     _check_p_seed(p, seed)
-    shape = tuple(shape)
-    numel = 1
-    for s in shape:
-        numel *= int(s)
+    shape = tuple(int(s) for s in shape)
     if p == 0.0:
         return torch.ones(shape, dtype=torch.bool, device=device)
     if p >= 1.0:
         return torch.zeros(shape, dtype=torch.bool, device=device)
-    keep = torch.empty(numel, dtype=torch.bool, device=device)
+    rows, cols = _rows_cols(shape)
+    c4 = (cols + 3) // 4
+    n_cnt = rows * c4
+    keep4 = torch.empty((n_cnt, 4), dtype=torch.bool, device=device)  # [counter, component]
     p32 = torch.tensor(p, dtype=torch.float32, device=device)
-    for start in range(0, numel, _CHUNK):
-        offs = torch.arange(start, min(start + _CHUNK, numel), dtype=torch.int64, device=device)
-        keep[start : start + offs.numel()] = philox_rand_ref(offs, seed) >= p32
-    return keep.reshape(shape)
+    for start in range(0, n_cnt, _CHUNK):
+        cnt = torch.arange(start, min(start + _CHUNK, n_cnt), dtype=torch.int64, device=device)
+        u = philox_rand4_ref(cnt, seed)
+        for k in range(4):
+            keep4[start : start + cnt.numel(), k] = u[k] >= p32
+    return keep4.reshape(rows, 4 * c4)[:, :cols].contiguous().reshape(shape)
 
 
 def _apply_mask_ref(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
@@ -246,5 +316,6 @@ __all__ = [
     "dropout_fwd",
     "dropout_fwd_ref",
     "dropout_keep_mask",
+    "philox_rand4_ref",
     "philox_rand_ref",
 ]

@@ -129,14 +129,29 @@ def test_ref_float64_inputs(kind):
     assert_close_norm(db, db64)
 
 
-def test_dropout_mask_is_flat_index_of_y():
-    x = torch.rand(6, 10) + 1.0  # relu(x) > 0 everywhere
-    with K.use("triton"):
-        y = A.bias_act_fwd(x, None, "relu", dropout_p=0.5, seed=4)
-        yg = A.bias_act_fwd(torch.cat([x, x], -1), None, "reglu", dropout_p=0.5, seed=4)
-    keep = D.dropout_keep_mask((6, 10), 0.5, 4, "cpu")
-    assert torch.equal(y != 0, keep)
-    assert torch.equal(yg != 0, keep)
+@pytest.mark.parametrize("off64", [False, True])
+def test_dropout_mask_is_mask_of_y_fwd_and_bwd(off64, monkeypatch):
+    """Fused kernels draw dropout_keep_mask(y.shape) bit-exactly, forward and backward, on odd widths
+    (int32 counters, and int64 ones forced by lowering the threshold)."""
+    if off64:
+        monkeypatch.setattr(D, "_OFF64_MIN", 0)
+    monkeypatch.setattr(A, "_BWD_MAX_BLOCK_C", 8)  # several column tiles in the backward
+    monkeypatch.setattr(A, "_BWD_TILE", 32)
+    for i, (rows, cols) in enumerate([(6, 10), (3, 5), (7, 33), (1, 1)]):
+        seed, p = 4 + i, (0.5, 0.3)[i % 2]
+        x = torch.rand(rows, cols) + 1.0  # relu(x) > 0 everywhere
+        xg = torch.cat([x, x], -1)
+        ones = torch.ones(rows, cols)
+        with K.use("triton"):
+            y = A.bias_act_fwd(x, None, "relu", dropout_p=p, seed=seed)
+            yg = A.bias_act_fwd(xg, None, "reglu", dropout_p=p, seed=seed)
+            dz, _ = A.bias_act_bwd(ones, x, None, "relu", False, dropout_p=p, seed=seed)
+            dzg, _ = A.bias_act_bwd(ones, xg, None, "reglu", False, dropout_p=p, seed=seed)
+        keep = D.dropout_keep_mask((rows, cols), p, seed, "cpu")
+        for t in (y, yg, dz, dzg[:, :cols], dzg[:, cols:]):
+            assert torch.equal(t != 0, keep), (rows, cols)
+        y_ref = A.bias_act_fwd_ref(xg, None, "reglu", dropout_p=p, seed=seed)
+        assert torch.equal(y_ref != 0, keep)
 
 
 def test_need_dbias_false_and_bad_args():
@@ -234,6 +249,22 @@ def test_gpu_scaled_swiglu_matches_float64(dtype):
                                                ((5, 301, 1538), "rowstride", False),
                                                ((33, 4100), "transposed", True)]):
         _check_scaled(dtype, shape, layout, s32, device="cuda", seed=i)
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_mask_odd_widths_both_counter_widths(monkeypatch):
+    for off64 in (False, True):
+        if off64:
+            monkeypatch.setattr(D, "_OFF64_MIN", 0)
+        for i, (rows, cols) in enumerate([(3, 5), (7, 33), (1, 1), (1031, 1027), (5, 4099)]):
+            x = torch.rand(rows, cols, device="cuda") + 1.0
+            xg = torch.cat([x, x], -1).to(torch.bfloat16)
+            ones = torch.ones(rows, cols, device="cuda", dtype=torch.bfloat16)
+            yg = A.bias_act_fwd(xg, None, "reglu", dropout_p=0.3, seed=i)
+            dzg, _ = A.bias_act_bwd(ones, xg, None, "reglu", False, dropout_p=0.3, seed=i)
+            keep = D.dropout_keep_mask((rows, cols), 0.3, i, "cpu")
+            for t in (yg, dzg[:, :cols], dzg[:, cols:]):
+                assert torch.equal((t != 0).cpu(), keep), (rows, cols, off64)
 
 
 @pytest.mark.gpu
