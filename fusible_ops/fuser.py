@@ -167,12 +167,9 @@ class OperationFuser:
         params = self._params()
         plan = self.plan_for(x, extra_inputs)
         args = [*extra_inputs, *params]
-        seen = {id(x)}
         for i, t in enumerate(args):  # the same tensor twice (x as residual, tied weights):
-            if isinstance(t, torch.Tensor):  # give autograd.Function distinct inputs (an alias)
-                if id(t) in seen:
-                    args[i] = t.view_as(t)
-                seen.add(id(t))
+            if isinstance(t, torch.Tensor) and (t is x or any(t is a for a in args[:i])):
+                args[i] = t.view_as(t)  # give autograd.Function distinct inputs (an alias)
         outs = _FuserFunction.apply(x, self, plan, len(extra_inputs), *args)
         if self.num_extra_outputs == 0:
             return outs[0]
@@ -226,12 +223,11 @@ class _FuserFunction(torch.autograd.Function):
         func_ctx.x_requires_grad = x.requires_grad
         # An output that is an input (or another output) gets its own alias so autograd can
         # attach a distinct grad_fn to it.
-        seen = {id(x)} | {id(a) for a in args}
+        inputs = (x, *args)
         outs = []
         for t in (y, *flat_extra_out):
-            if id(t) in seen:
+            if any(t is a for a in inputs) or any(t is o for o in outs):
                 t = t.view_as(t)
-            seen.add(id(t))
             outs.append(t)
         non_diff = [t for t in outs if not t.is_floating_point()]
         if non_diff:

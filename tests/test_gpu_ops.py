@@ -19,8 +19,14 @@ def test_random_chains_on_cuda(chain, dtype, rows):
     assert_matches_reference(seq, *chain.inputs((rows,), dtype=dtype, device="cuda"))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("act", [fo.GELU, fo.ReLU, fo.SiLU, fo.SwiGLU, fo.GEGLU, fo.ReGLU])
+SMOOTH = [fo.GELU, fo.SiLU, fo.SwiGLU, fo.GEGLU]
+KINKED = [fo.ReLU, fo.ReGLU]  # relu' jumps at 0: a pre-activation that rounds across 0 in bf16
+# flips the gradient, so against a float64 reference these are compared in float32 only.
+CASES = [(a, d) for a in SMOOTH for d in (torch.bfloat16, torch.float16, torch.float32)]
+CASES += [(a, torch.float32) for a in KINKED]
+
+
+@pytest.mark.parametrize("act,dtype", CASES)
 def test_linear_bias_activation_dropout_fused_on_cuda(dtype, act):
     torch.manual_seed(0)
     gated = act in (fo.SwiGLU, fo.GEGLU, fo.ReGLU)
