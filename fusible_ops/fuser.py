@@ -176,6 +176,25 @@ class OperationFuser:
         return tuple(outs)
 
 
+class _BackwardContext:
+    """An :class:`OperationContext` as backward sees it: the forward ctx's attributes, with the
+    saved tensors handed back by autograd. Attributes set in backward stay on this view."""
+
+    def __init__(self, base: OperationContext, saved: tuple) -> None:
+        self._base = base
+        self._saved = saved
+
+    @property
+    def saved_tensors(self) -> tuple:
+        return self._saved
+
+    def release(self) -> None:
+        self._saved = ()
+
+    def __getattr__(self, name: str):
+        return getattr(self._base, name)
+
+
 class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(func_ctx, x, fuser: OperationFuser, plan: Plan, num_extra: int, *args):
@@ -246,16 +265,13 @@ class _FuserFunction(torch.autograd.Function):
         for m in fuser._num_extra_outputs:
             grad_extra_out.append(tuple(grad_extra_outputs_flat[k : k + m]))
             k += m
-        # Fresh ctx objects carrying the saved tensors (no mutation of forward-time objects, so
-        # torch.compile can trace the backward too).
-        saved, k, fresh = func_ctx.saved_tensors, 0, []
+        # Views of the forward ctxs that carry the saved tensors: nothing created in forward is
+        # mutated, so torch.compile can trace the backward too.
+        saved, k, views = func_ctx.saved_tensors, 0, []
         for c, m in zip(ctxs, func_ctx.saved_counts):
-            c2 = OperationContext.__new__(OperationContext)
-            c2.__dict__.update(c.__dict__)
-            c2._saved = tuple(saved[k : k + m])
-            fresh.append(c2)
+            views.append(_BackwardContext(c, tuple(saved[k : k + m])))
             k += m
-        ctxs = fresh
+        ctxs = views
         param_grads: list[tuple] = [tuple(None for _ in op._parameters.values() if _ is not None) for op in ops]
         grad_extra_in: list[tuple] = [tuple(None for _ in range(m)) for m in fuser._num_extra_inputs]
         for g in reversed(plan.backward):

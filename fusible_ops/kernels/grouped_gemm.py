@@ -312,7 +312,6 @@ def _run(name: str, tuned, raw, grid, args, const, dtype: torch.dtype, device: t
         raw[grid(cfg.kwargs)](*args, **const, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-_TMA = {"allocator_set": False}
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
@@ -330,11 +329,15 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
             return False
         if t.shape[-1] * t.element_size() < 16:
             return False
-    if not _TMA["allocator_set"]:
-        # device-side descriptors need a global scratch allocation (graph-capturable torch.empty).
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _TMA["allocator_set"] = True
+    # Device-side descriptors need a global scratch allocation (graph-capturable torch.empty).
+    # Triton keeps the allocator per thread (a context variable), and autograd runs backward on
+    # its own threads: set it on every call, not once per process.
+    triton.set_allocator(_tma_scratch)
     return True
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _check(split_sizes: torch.Tensor, G: int, *tensors: torch.Tensor) -> None:
