@@ -64,13 +64,34 @@ if HAS_TRITON:
         return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
 
     @triton.jit
+    def _gelu_cdf(z):
+        """Phi(z) = 0.5 * erfc(-z / sqrt(2)), via the Chebyshev-fitted erfc of Numerical Recipes
+        (fractional error < 1.2e-7 everywhere, i.e. fp32 rounding level, also in the tails). One
+        exp and one reciprocal: cheaper than libdevice's erff, which made exact GELU compute-bound
+        (measured on H200: fwd 0.43 ms vs 0.32 ms for SiLU at [16384, 16384] bf16)."""
+        a = tl.abs(z) * 0.7071067811865476
+        t = 1.0 / (1.0 + 0.5 * a)
+        p = 0.17087277
+        p = -0.82215223 + t * p
+        p = 1.48851587 + t * p
+        p = -1.13520398 + t * p
+        p = 0.27886807 + t * p
+        p = -0.18628806 + t * p
+        p = 0.09678418 + t * p
+        p = 0.37409196 + t * p
+        p = 1.00002368 + t * p
+        p = -1.26551223 + t * p
+        half_erfc = 0.5 * t * tl.exp(p - a * a)
+        return tl.where(z >= 0.0, 1.0 - half_erfc, half_erfc)
+
+    @triton.jit
     def _act_and_grad(z, ACT: tl.constexpr):
         """(act(z), act'(z)) in fp32 (an unused gradient is removed by dead-code elimination)."""
         if ACT == 0:  # relu
             y = tl.maximum(z, 0.0)
             g = tl.where(z > 0.0, 1.0, 0.0)
         elif ACT == 1:  # gelu (erf)
-            cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
+            cdf = _gelu_cdf(z)
             y = z * cdf
             g = cdf + z * tl.exp(-0.5 * z * z) * 0.3989422804014327
         elif ACT == 2:  # gelu_tanh
