@@ -22,7 +22,10 @@ for sm_90 at <= 128 registers and no spills): rows of up to ``_FWD_MAX_FUSED_N``
 program when N is small (~``_TILE`` elements per program). Wider forward rows (and, without a
 residual, rows wider than ``_FWD_NORES_MAX_FUSED_N``) loop over column blocks (pass 1 statistics,
 pass 2 output; the re-read mostly hits L2). Backward rows wider than ``_BWD_RELOAD_MIN_N`` load
-xsum/dy twice (row sums, then dx and the partials) so only the partials stay live in registers.
+xsum/dy twice (row sums, then dx and the partials) so only the partials stay live in registers;
+for LayerNorm such rows (``>= _BWD_HALVES_MIN_N``) take the halves kernel (re-load half a row at a
+time) and dbias is a separate fp32 column sum of dy (``>= _BWD_DB_COLSUM_MIN_N``), so only the
+dweight partials stay live.
 Wider backward rows use a
 grid of (column slices x row programs): each program sums over the whole row, then writes dx and
 accumulates dweight/dbias for its own slice only.
@@ -57,6 +60,12 @@ _BWD_SLICE_WARPS = 16  # backward sliced kernel: most warps per program
 _BWD_RELOAD_MIN_N = 8193  # backward fused: re-load xsum/dy (L1/L2 hit) for dx instead of keeping
 # them live (H200, [16384, 16384] bf16 LayerNorm: 0.97 ms vs 2.56 ms for the old 4096-wide slices)
 _BWD_PROGS_PER_SM = 0  # backward fused: persistent programs per SM (0: 32 // num_warps)
+_BWD_HALVES_MIN_N = 8193  # LayerNorm backward, n >= this (and <= _BWD_MAX_FUSED_N): halves kernel
+_BWD_HALVES_WARPS = 16  # backward halves kernel: warps per program
+# H200, [16384, 16384] bf16 LayerNorm bwd: 0.983 ms fused RELOAD -> 0.838 colsum -> 0.816 ms colsum +
+# halves (16 warps, 2/SM); RMSNorm keeps the fused RELOAD kernel (0.600 ms vs 0.643 ms with halves)
+_BWD_DB_COLSUM_MIN_N = 8193  # backward fused, n >= this: dbias is a separate fp32 column sum of
+# dy (torch), so the kernel keeps only the dweight partials live (LayerNorm then fits 2 programs/SM)
 
 if HAS_TRITON:
     import triton
@@ -232,6 +241,85 @@ if HAS_TRITON:
             tl.store(DW_PART + part, tl.sum(dw_acc, axis=0), mask=col_mask)
         if NEED_DB:
             tl.store(DB_PART + part, tl.sum(db_acc, axis=0), mask=col_mask)
+
+    @triton.jit
+    def _norm_bwd_halves_kernel(
+        DY, XS,  # [n_rows, N] in: dy, xsum (the normalized input); row strides, unit column stride
+        W,  # [N] weight (HAS_W)
+        MEAN, RSTD,  # [n_rows] fp32 (MEAN read only when not IS_RMS)
+        DXE, DX,  # [n_rows, N]: extra gradient of xsum (HAS_DXE), out dx
+        DW_PART, DB_PART,  # [num_programs, N] fp32 out: partial dweight (NEED_DW), dbias (NEED_DB)
+        n_rows, N, stride_dy, stride_xs, stride_dxe, stride_dx,
+        IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DXE: tl.constexpr,
+        NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+        HALF_N: tl.constexpr,
+    ):
+        # Persistent, one row at a time, N <= 2 * HALF_N: the row sums come from both halves
+        # (values die), then each half is re-loaded (L1/L2 hit) for dx and its own partials, so
+        # only the partials plus one half's loads are live (fewer registers than the fused RELOAD).
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        c0 = tl.arange(0, HALF_N)
+        c1s = HALF_N + c0
+        m0 = c0 < N
+        m1 = c1s < N
+        dw0 = tl.zeros([HALF_N], dtype=tl.float32)
+        dw1 = tl.zeros([HALF_N], dtype=tl.float32)
+        db0 = tl.zeros([HALF_N], dtype=tl.float32)
+        db1 = tl.zeros([HALF_N], dtype=tl.float32)
+        for row in range(pid, n_rows, nprog):
+            row64 = tl.cast(row, tl.int64)
+            xs_r = XS + row64 * stride_xs
+            dy_r = DY + row64 * stride_dy
+            rstd = tl.load(RSTD + row)
+            if IS_RMS:
+                mean = 0.0
+            else:
+                mean = tl.load(MEAN + row)
+            c1 = 0.0
+            c2 = 0.0
+            for h in tl.static_range(2):
+                cc = c0 + h * HALF_N
+                cm = cc < N
+                xs_c = tl.load(xs_r + cc, mask=cm, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                dy_c = tl.load(dy_r + cc, mask=cm, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                xhat_c = tl.where(cm, (xs_c - mean) * rstd, 0.0)
+                g_c = dy_c * tl.load(W + cc, mask=cm, other=0.0).to(tl.float32) if HAS_W else dy_c
+                c1 += tl.sum(g_c * xhat_c, axis=0)
+                c2 += tl.sum(g_c, axis=0)
+            c1 = c1 / N
+            c2 = c2 / N
+            for h in tl.static_range(2):
+                cc = c0 + h * HALF_N
+                cm = cc < N
+                xs_c = tl.load(xs_r + cc, mask=cm, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                dy_c = tl.load(dy_r + cc, mask=cm, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                xhat_c = tl.where(cm, (xs_c - mean) * rstd, 0.0)
+                if HAS_W:
+                    g_c = dy_c * tl.load(W + cc, mask=cm, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                else:
+                    g_c = dy_c
+                dx = (g_c - xhat_c * c1 - c2) * rstd if not IS_RMS else (g_c - xhat_c * c1) * rstd
+                if HAS_DXE:
+                    dx += tl.load(DXE + row64 * stride_dxe + cc, mask=cm, other=0.0).to(tl.float32)
+                tl.store(DX + row64 * stride_dx + cc, dx.to(DX.dtype.element_ty), mask=cm)
+                if h == 0:
+                    if NEED_DW:
+                        dw0 += dy_c * xhat_c
+                    if NEED_DB:
+                        db0 += dy_c
+                else:
+                    if NEED_DW:
+                        dw1 += dy_c * xhat_c
+                    if NEED_DB:
+                        db1 += dy_c
+        part = pid.to(tl.int64) * N
+        if NEED_DW:
+            tl.store(DW_PART + part + c0, dw0, mask=m0)
+            tl.store(DW_PART + part + c1s, dw1, mask=m1)
+        if NEED_DB:
+            tl.store(DB_PART + part + c0, db0, mask=m0)
+            tl.store(DB_PART + part + c1s, db1, mask=m1)
 
     @triton.jit
     def _norm_bwd_sliced_kernel(
@@ -420,10 +508,15 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
         nprog = min(rows, max(1, 2 * sms // n_slices))
         grid = (n_slices, nprog)
     else:
+        halves = n >= _BWD_HALVES_MIN_N and not is_rms
+        if halves:
+            block_m, warps = 1, _BWD_HALVES_WARPS
         nprog = min(triton.cdiv(rows, block_m), sms * (_BWD_PROGS_PER_SM or max(1, 32 // warps)))
         grid = (nprog,)
+    db_colsum = bool(need_dbias) and not sliced and n >= _BWD_DB_COLSUM_MIN_N
+    need_db_kernel = bool(need_dbias) and not db_colsum
     dw_part = torch.empty((nprog, n), dtype=torch.float32, device=xsum.device) if need_dweight else dx2
-    db_part = torch.empty((nprog, n), dtype=torch.float32, device=xsum.device) if need_dbias else dx2
+    db_part = torch.empty((nprog, n), dtype=torch.float32, device=xsum.device) if need_db_kernel else dx2
     rstd = rstd.contiguous()
     mean = rstd if is_rms else mean.contiguous()
     args = (
@@ -431,15 +524,20 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
         rows, n, dy2.stride(0), xs2.stride(0), dxe2.stride(0), dx2.stride(0),
     )
     flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_DXE=dxsum_extra is not None,
-                 NEED_DW=need_dweight, NEED_DB=bool(need_dbias))
+                 NEED_DW=need_dweight, NEED_DB=need_db_kernel)
     with _device_guard(xsum):
         if sliced:
             _norm_bwd_sliced_kernel[grid](*args, **flags, BLOCK_N=block_n, num_warps=warps)
+        elif halves:
+            _norm_bwd_halves_kernel[grid](*args, **flags, HALF_N=max(16, block_n // 2), num_warps=warps)
         else:
             _norm_bwd_fused_kernel[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
                                          RELOAD=n >= _BWD_RELOAD_MIN_N, num_warps=warps)
     dw = dw_part.sum(0).to(pdtype) if need_dweight else empty()
-    db = db_part.sum(0).to(pdtype) if need_dbias else empty()
+    if db_colsum:  # fp32 accumulation, deterministic (torch reductions use no atomics)
+        db = dy2.sum(0, dtype=torch.float32).to(pdtype)
+    else:
+        db = db_part.sum(0).to(pdtype) if need_dbias else empty()
     return dx, dw, db
 
 

@@ -329,3 +329,28 @@ def test_triton_interpreter_bwd_reload(monkeypatch, rms):
     monkeypatch.setattr(N, "_BWD_RELOAD_MIN_N", 1)
     _check_norm((5, 33), torch.bfloat16, torch.float32, True, True, True, True, "rows", rms=rms)
     _check_norm((3, 7), torch.float16, None, False, False, False, False, None, rms=rms)
+
+
+@pytest.mark.parametrize("variant", ["halves", "db_colsum", "halves+db_colsum"])
+@pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
+def test_triton_interpreter_bwd_variants(monkeypatch, rms, variant):
+    """The backward's halves kernel and the separate dbias column sum match float64 math."""
+    if "halves" in variant:
+        monkeypatch.setattr(N, "_BWD_HALVES_MIN_N", 1)
+        monkeypatch.setattr(N, "_BWD_HALVES_WARPS", 4)
+    if "db_colsum" in variant:
+        monkeypatch.setattr(N, "_BWD_DB_COLSUM_MIN_N", 1)
+    _check_norm((5, 33), torch.bfloat16, torch.float32, True, True, True, True, "rows", rms=rms)
+    _check_norm((3, 7), torch.float16, None, False, False, False, True, None, rms=rms)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["halves", "db_colsum", "halves+db_colsum"])
+@pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
+def test_gpu_bwd_variants(monkeypatch, rms, variant):
+    if "halves" in variant:
+        monkeypatch.setattr(N, "_BWD_HALVES_MIN_N", 1)
+    if "db_colsum" in variant:
+        monkeypatch.setattr(N, "_BWD_DB_COLSUM_MIN_N", 1)
+    for shape in [(65, 8193), (33, 16384), (517, 1000)]:
+        _check_norm(shape, torch.bfloat16, torch.float32, True, True, True, True, "rows", rms=rms, device="cuda")
