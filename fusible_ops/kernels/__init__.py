@@ -10,7 +10,8 @@ Dispatch rule (one place, used by every kernel family):
   CI uses it to exercise every kernel's indexing and masking on small shapes.
 
 The mode is set with :func:`use` (a context manager) or, process-wide, with the
-environment variable ``FUSIBLE_OPS_KERNELS`` (``auto`` | ``triton`` | ``reference``).
+environment variable ``FUSIBLE_OPS_KERNELS`` (``auto`` | ``triton`` | ``reference``), read
+when ``fusible_ops`` is imported.
 
 This is a subpackage (``fusible_ops.kernels``), not a top-level ``kernels`` package,
 so it never shadows the PyPI distribution named ``kernels``.
@@ -37,8 +38,9 @@ except ImportError:  # pragma: no cover - exercised only without triton
 
 
 def interpreter_enabled() -> bool:
-    """True when Triton's CPU interpreter is on (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton's CPU interpreter is on (``TRITON_INTERPRET=1``, which Triton itself
+    reads when it is imported)."""
+    return _INTERPRET
 
 
 def _env_mode() -> str:
@@ -48,9 +50,14 @@ def _env_mode() -> str:
     return mode
 
 
+# Read once at import (this sits on every kernel call's path); use() changes the mode at run time.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_ENV_MODE = _env_mode()
+
+
 def current_mode() -> str:
     """The active dispatch mode: ``"auto"``, ``"triton"`` or ``"reference"``."""
-    return getattr(_state, "mode", None) or _env_mode()
+    return getattr(_state, "mode", None) or _ENV_MODE
 
 
 @contextlib.contextmanager
