@@ -36,6 +36,9 @@ class Plan:
     input_requires_grad: list[bool]
     weight_requires_grad: list[bool]
     backward_stop: int  # backward groups whose last op index < backward_stop are skipped
+    # per-op keyword arguments for op_forward (quantizer hand-off); fixed per plan because the
+    # quantization recipe is part of the plan key
+    op_kwargs: list[dict]
 
 
 def _verify(ops: Sequence[BasicOperation], groups: list[Group], pass_: str) -> None:
@@ -91,9 +94,10 @@ class OperationFuser:
             disabled_epoch(),
         )
 
-    def plan_for(self, x: torch.Tensor, extra_inputs: Sequence = ()) -> Plan:
+    def plan_for(self, x: torch.Tensor, extra_inputs: Sequence = (), params: Optional[Sequence] = None) -> Plan:
         """The (cached) plan for a call with these inputs."""
-        params = self._params()
+        if params is None:
+            params = self._params()
         key = self._key(x, extra_inputs, params)
         plan = self._plans.get(key)
         if plan is None:
@@ -146,6 +150,13 @@ class OperationFuser:
             input_requires_grad=input_rg,
             weight_requires_grad=[requires_grad and t for t in op_trainable],
             backward_stop=backward_stop,
+            op_kwargs=[
+                {
+                    "next_op_input_quantizer": ops[i + 1].input_quantizer() if i + 1 < len(ops) else None,
+                    "prev_op_grad_output_quantizer": ops[i - 1].grad_output_quantizer() if i > 0 else None,
+                }
+                for i in range(len(ops))
+            ],
         )
 
     def _split_extra(self, extra_inputs: Sequence) -> list[tuple]:
@@ -165,7 +176,7 @@ class OperationFuser:
                 f"expected {self.num_extra_inputs} extra input(s) (for {names}), got {len(extra_inputs)}"
             )
         params = self._params()
-        plan = self.plan_for(x, extra_inputs)
+        plan = self.plan_for(x, extra_inputs, params)
         args = [*extra_inputs, *params]
         for i, t in enumerate(args):  # the same tensor twice (x as residual, tied weights):
             if isinstance(t, torch.Tensor) and (t is x or any(t is a for a in args[:i])):
@@ -207,13 +218,7 @@ class _FuserFunction(torch.autograd.Function):
             c.input_requires_grad = plan.input_requires_grad[i]
             c.weight_requires_grad = plan.weight_requires_grad[i]
             ctxs.append(c)
-        kwargs = [
-            {
-                "next_op_input_quantizer": ops[i + 1].input_quantizer() if i + 1 < len(ops) else None,
-                "prev_op_grad_output_quantizer": ops[i - 1].grad_output_quantizer() if i > 0 else None,
-            }
-            for i in range(len(ops))
-        ]
+        kwargs = plan.op_kwargs
         extra_outputs: list[tuple] = [()] * len(ops)
         y = x
         for g in plan.forward:
