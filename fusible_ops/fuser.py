@@ -5,9 +5,14 @@ joint rules first (they fix a span in both plans), then forward rules and backwa
 what is left. Every plan is verified to expand back to exactly the basic ops, in order.
 
 Plans are cached under a key of everything a rule may depend on: grad mode, each op's
-training flag and ``plan_key()``, which parameters and inputs require grad, dtype, device, the
-quantization recipe, and the rule set's version (registrations, ``disabled(...)``). A
+``state_version`` (bumped by any attribute assignment: flags, ``train()``/``eval()``) and
+``plan_key()``, which parameters and inputs require grad, dtype, device, the quantization
+recipe, the rule set's version (registrations) and the set of ``disabled(...)`` rules. A
 steady-state call computes the key and finds its plan: no pattern matching happens.
+
+Parameters are resolved by name on every call (``getattr(owner, name)``), so
+``torch.func.functional_call``, parametrizations and reassigned parameters are what the ops
+compute with, and autograd routes their gradients.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
+from torch.nn.utils import parametrize
 
+from .grad import check_flagged_ops
 from .op import BasicOperation, OperationContext
-from .rules import Decline, FusionContext, Group, RuleSet, disabled_epoch, global_rules, plan_pass
+from .rules import Decline, FusionContext, Group, RuleSet, disabled_key, global_rules, plan_pass
 
 
 def current_recipe() -> Any:
@@ -36,6 +43,7 @@ class Plan:
     input_requires_grad: list[bool]
     weight_requires_grad: list[bool]
     backward_stop: int  # backward groups whose last op index < backward_stop are skipped
+    param_counts: list[int]  # parameters per basic op (param_names() of each)
     # per-op keyword arguments for op_forward (quantizer hand-off); fixed per plan because the
     # quantization recipe is part of the plan key
     op_kwargs: list[dict]
@@ -70,13 +78,34 @@ class OperationFuser:
         self.num_extra_outputs = sum(self._num_extra_outputs)
         self._plans: dict[tuple, Plan] = {}
         self.num_plans_made = 0
+        self._versions: Optional[tuple] = None  # op state versions the slots below were made for
+        self._slots: list[tuple[torch.nn.Module, str]] = []  # (owner module, name) per parameter
+        self._param_counts: list[int] = []
+        self._parametrized = False
+        self._wgrad_flagged = False
+        self.last_key: Optional[tuple] = None  # key of the last call (fusion_plan() reports it)
 
     # -- planning ----------------------------------------------------------------------
     def _rule_set(self) -> RuleSet:
         return self.rules if self.rules is not None else global_rules()
 
+    def _refresh(self, versions: tuple) -> None:
+        """Recompute what depends only on the ops' state (run when a state version changed)."""
+        self._slots = [(op.param_owner(n), n) for op in self.ops for n in op.param_names()]
+        self._param_counts = [len(op.param_names()) for op in self.ops]
+        self._parametrized = any(parametrize.is_parametrized(m, n) for m, n in self._slots)
+        self._wgrad_flagged = any(
+            getattr(op, "accumulate_into_main_grad", False) or getattr(op, "delay_wgrad_compute", False)
+            for op in self.ops
+        )
+        self._versions = versions
+
     def _params(self) -> list[torch.Tensor]:
-        return [p for op in self.ops for p in op._parameters.values() if p is not None]
+        """The tensors the ops compute with for this call, ``param_names()`` order, op by op."""
+        versions = tuple([op.state_version for op in self.ops])
+        if versions != self._versions:
+            self._refresh(versions)
+        return [getattr(m, n) for m, n in self._slots]
 
     def _key(self, x: torch.Tensor, extra_inputs: Sequence, params: Sequence[torch.Tensor]) -> tuple:
         rs = self._rule_set()
@@ -85,13 +114,13 @@ class OperationFuser:
             x.dtype,
             x.device,
             x.requires_grad,
-            tuple(p.requires_grad for p in params),
-            tuple(isinstance(e, torch.Tensor) and e.requires_grad for e in extra_inputs),
-            tuple(op.training for op in self.ops),
-            tuple(op.plan_key() for op in self.ops),
+            tuple([p.requires_grad for p in params]),
+            tuple([isinstance(e, torch.Tensor) and e.requires_grad for e in extra_inputs]),
+            self._versions,
+            tuple([op.plan_key() for op in self.ops]),
             current_recipe(),
             rs.version,
-            disabled_epoch(),
+            disabled_key(),
         )
 
     def plan_for(self, x: torch.Tensor, extra_inputs: Sequence = (), params: Optional[Sequence] = None) -> Plan:
@@ -99,18 +128,36 @@ class OperationFuser:
         if params is None:
             params = self._params()
         key = self._key(x, extra_inputs, params)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._make_plan(x, extra_inputs)
-            self._plans[key] = plan
+        return self._plans.get(key) or self._new_plan(key, x, extra_inputs, params)
+
+    def _new_plan(self, key: tuple, x: torch.Tensor, extra_inputs: Sequence, params: Sequence) -> Plan:
+        plan = self._make_plan(x, extra_inputs, params)
+        self._plans[key] = plan
+        # A rule's builder may have assigned op attributes: file the plan under the key of the
+        # state it leaves too, so the next call finds it.
+        self._plans.setdefault(self._key(x, extra_inputs, self._params()), plan)
         return plan
 
-    def _make_plan(self, x: torch.Tensor, extra_inputs: Sequence) -> Plan:
+    def last_call_inputs(self) -> Optional[tuple]:
+        """Stand-ins ``(grad_enabled, x, extra_inputs)`` with the planning-relevant properties
+        (dtype, device, requires_grad) of the last call, or None before the first call."""
+        key = self.last_key
+        if key is None:
+            return None
+        grad_on, dtype, device, x_rg, _, extra_rg = key[:6]
+        x = torch.empty(0, dtype=dtype, device=device, requires_grad=x_rg)
+        extras = tuple(torch.empty(0, requires_grad=True) if rg else None for rg in extra_rg)
+        return grad_on, x, extras
+
+    def _make_plan(self, x: torch.Tensor, extra_inputs: Sequence, params: Sequence[torch.Tensor]) -> Plan:
         self.num_plans_made += 1
         ops = self.ops
         grad_on = torch.is_grad_enabled()
         extras = self._split_extra(extra_inputs)
-        op_trainable = [any(p.requires_grad for p in op.parameters()) for op in ops]
+        op_trainable, k = [], 0
+        for count in self._param_counts:
+            op_trainable.append(any(p.requires_grad for p in params[k : k + count]))
+            k += count
         op_extra_grad = [any(isinstance(e, torch.Tensor) and e.requires_grad for e in ex) for ex in extras]
         requires_grad = grad_on and (x.requires_grad or any(op_trainable) or any(op_extra_grad))
         input_rg, need = [], x.requires_grad
@@ -150,6 +197,7 @@ class OperationFuser:
             input_requires_grad=input_rg,
             weight_requires_grad=[requires_grad and t for t in op_trainable],
             backward_stop=backward_stop,
+            param_counts=list(self._param_counts),
             op_kwargs=[
                 {
                     "next_op_input_quantizer": ops[i + 1].input_quantizer() if i + 1 < len(ops) else None,
@@ -175,8 +223,21 @@ class OperationFuser:
             raise TypeError(
                 f"expected {self.num_extra_inputs} extra input(s) (for {names}), got {len(extra_inputs)}"
             )
-        params = self._params()
-        plan = self.plan_for(x, extra_inputs, params)
+        versions = tuple([op.state_version for op in self.ops])
+        if versions != self._versions:
+            self._refresh(versions)
+        if self._parametrized:  # one evaluation of each parametrization per call, with grad
+            with parametrize.cached():
+                return self._run(x, extra_inputs)
+        return self._run(x, extra_inputs)
+
+    def _run(self, x: torch.Tensor, extra_inputs: tuple):
+        params = [getattr(m, n) for m, n in self._slots]  # __call__ refreshed the slots
+        key = self._key(x, extra_inputs, params)
+        plan = self._plans.get(key) or self._new_plan(key, x, extra_inputs, params)
+        self.last_key = key
+        if self._wgrad_flagged and plan.requires_grad:
+            check_flagged_ops(self.ops, params, plan.param_counts)
         args = [*extra_inputs, *params]
         for i, t in enumerate(args):  # the same tensor twice (x as residual, tied weights):
             if isinstance(t, torch.Tensor) and (t is x or any(t is a for a in args[:i])):
@@ -277,7 +338,7 @@ class _FuserFunction(torch.autograd.Function):
             views.append(_BackwardContext(c, tuple(saved[k : k + m])))
             k += m
         ctxs = views
-        param_grads: list[tuple] = [tuple(None for _ in op._parameters.values() if _ is not None) for op in ops]
+        param_grads: list[tuple] = [(None,) * c for c in plan.param_counts]
         grad_extra_in: list[tuple] = [tuple(None for _ in range(m)) for m in fuser._num_extra_inputs]
         for g in reversed(plan.backward):
             idx = g.indices

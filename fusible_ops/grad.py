@@ -133,6 +133,14 @@ def _apply_now(op, param: torch.Tensor, compute: WgradCompute, *, delayed: bool)
 def deliver_weight_grad(op, param: torch.Tensor, compute: WgradCompute) -> Optional[torch.Tensor]:
     """The single entry point for a weight gradient. Call it in backward only when the weight
     requires grad. Returns what the op returns to autograd for ``param``."""
+    if (param.grad_fn is not None or not param.requires_grad) and (
+        op.accumulate_into_main_grad or op.delay_wgrad_compute or scheduler_active()
+    ):
+        raise RuntimeError(
+            f"{type(op).__name__}: the weight is computed (a parametrization or a functional_call "
+            f"tensor with history), so it has no main_grad and no .grad of its own; use plain .grad "
+            f"mode (accumulate_into_main_grad=False, no delayed weight gradients) for it"
+        )
     if op.delay_wgrad_compute or scheduler_active():
         pending = op.__dict__.setdefault("_pending_wgrads", [])
         pending.append((param, compute))
@@ -185,3 +193,87 @@ class WeightGradMixin:
             p.skip_backward_post_hook = False
         for fn in list(self.__dict__["_wgrad_hooks"]):
             fn()
+
+
+# --------------------------------------------------------------------------------------------
+# Data-parallel wrappers: main_grad / delayed wgrad bypass their gradient reduction.
+# --------------------------------------------------------------------------------------------
+_dp_members: dict[int, tuple] = {}  # id(wrapper) -> (wrapper, ids of its parameters)
+
+
+def _wrapper_param_ids(wrapper: torch.nn.Module, module: torch.nn.Module) -> set:
+    hit = _dp_members.get(id(wrapper))
+    if hit is None or hit[0] is not wrapper:
+        hit = (wrapper, {id(p) for p in module.parameters()})
+        _dp_members[id(wrapper)] = hit
+    return hit[1]
+
+
+def _active_wrappers(params) -> list[str]:
+    """Names of the data-parallel wrappers (DDP, FSDP2) that manage any of ``params`` now."""
+    if not torch.distributed.is_available():
+        return []
+    found = []
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel._get_active_ddp_module()
+    if ddp is not None and any(id(p) in _wrapper_param_ids(ddp, ddp.module) for p in params):
+        found.append("torch.nn.parallel.DistributedDataParallel")
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:  # pragma: no cover - older torch
+        _module_state_mapping = {}
+    for module, state_ref in list(_module_state_mapping.items()):
+        state = state_ref() if callable(state_ref) else state_ref
+        if type(state).__name__ != "FSDPState":
+            continue
+        # FSDP2 swaps sharded and unsharded parameter objects: look them up afresh
+        managed = {id(p) for p in module.parameters()}
+        if any(id(p) in managed or type(p).__name__ == "DTensor" for p in params):
+            found.append("FSDP2 (torch.distributed.fsdp.fully_shard)")
+            break
+    return found
+
+
+def check_flagged_ops(ops, params, counts) -> None:
+    """Forward-time checks for ops with ``accumulate_into_main_grad`` / ``delay_wgrad_compute``:
+    their weights must be leaves (not parametrized or computed), and no data-parallel wrapper
+    may be reducing them (see :func:`check_data_parallel`)."""
+    k = 0
+    for op, count in zip(ops, counts):
+        mine, k = params[k : k + count], k + count
+        flagged = getattr(op, "accumulate_into_main_grad", False) or getattr(op, "delay_wgrad_compute", False)
+        if flagged and any(p.grad_fn is not None for p in mine):
+            raise RuntimeError(
+                f"{type(op).__name__}: accumulate_into_main_grad / delay_wgrad_compute need leaf weights, but "
+                f"a weight is computed (a parametrization such as weight_norm, or a functional_call tensor "
+                f"with history); use plain .grad mode for this op"
+            )
+    check_data_parallel(ops, params)
+
+
+def check_data_parallel(ops, params) -> None:
+    """Refuse ``accumulate_into_main_grad`` / ``delay_wgrad_compute`` under DDP or FSDP2.
+
+    Those wrappers reduce ``.grad`` across ranks in their own autograd hooks; a gradient that
+    goes to ``main_grad``, or into ``.grad`` only later from ``backward_dw()``, is not in
+    ``.grad`` when they reduce, so every rank would silently keep its local gradient. Raises a
+    ``RuntimeError`` naming the op and the supported pattern. Called by the fuser on calls that
+    will run a backward, only for fusers holding an op with one of these flags.
+    """
+    flagged = [
+        op for op in ops
+        if getattr(op, "accumulate_into_main_grad", False) or getattr(op, "delay_wgrad_compute", False)
+    ]
+    if not flagged:
+        return
+    wrappers = _active_wrappers(params)
+    if wrappers:
+        names = ", ".join(type(op).__name__ for op in flagged)
+        raise RuntimeError(
+            f"{names}: accumulate_into_main_grad=True or delay_wgrad_compute=True inside {wrappers[0]}: the "
+            f"wrapper reduces .grad, but these gradients go to main_grad (or arrive after backward), so ranks "
+            f"would keep unreduced gradients. Under DDP/FSDP use plain .grad mode "
+            f"(accumulate_into_main_grad=False, delay_wgrad_compute=False), or reduce main_grad yourself "
+            f"without the wrapper."
+        )

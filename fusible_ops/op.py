@@ -20,8 +20,17 @@ What must hold (the contract)
 * ``fuser_forward`` returns ``(y, extra_outputs)``; ``extra_outputs[i]`` is a tuple with
   ``basic_ops[i].num_extra_outputs`` tensors.
 * ``fuser_backward`` returns ``(dx, param_grads, grad_extra_inputs)``; ``param_grads[i]`` is a
-  tuple with one entry per parameter of ``basic_ops[i]`` in ``parameters()`` order (``None``
-  where no gradient goes to autograd), ``grad_extra_inputs[i]`` one entry per extra input.
+  tuple with one entry per parameter of ``basic_ops[i]`` in ``param_names()`` order (the order
+  the op registered them; ``None`` where no gradient goes to autograd), ``grad_extra_inputs[i]``
+  one entry per extra input.
+* Ops read their parameters as attributes (``self.weight``), never through ``_parameters``:
+  the fuser resolves the same names once per call (so ``torch.func.functional_call``,
+  parametrizations and parameters lent by an owning module such as :class:`~fusible_ops.Linear`
+  are honoured) and hands them to autograd.
+* Plans are cached. Rule predicates and checkers may read an op's attributes: assigning any
+  attribute of an op (``op.flag = True``, ``op.train()``) bumps its ``state_version``, which is
+  part of the plan key. State a rule reads that is not an attribute assignment (a value inside
+  a mutable container, a global) must be reported by ``plan_key()``.
   ``dx`` may be ``None`` when ``ctxs[0].input_requires_grad`` is False.
 * A weight that does not require grad costs no weight-gradient work and forward saves nothing
   that only its gradient needs (see :mod:`fusible_ops.grad`).
@@ -69,6 +78,22 @@ class OperationContext:
 class FusibleOperation(torch.nn.Module):
     """Common interface of basic and fused ops."""
 
+    state_version: int = 0  # bumped by every attribute assignment (part of the plan key)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        self._bump_state_version()
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        self._bump_state_version()
+
+    def _bump_state_version(self) -> None:
+        d = self.__dict__
+        d["state_version"] = d.get("state_version", 0) + 1
+        for op in d.get("_borrowers", ()):  # ops that read parameters owned by this module
+            op._bump_state_version()
+
     @property
     def is_fused_op(self) -> bool:
         raise NotImplementedError
@@ -102,6 +127,20 @@ class FusibleOperation(torch.nn.Module):
     ) -> tuple[Optional[torch.Tensor], list[tuple], list[tuple]]:
         """Backward over the covered basic ops. See the module docstring for what must hold."""
         raise NotImplementedError
+
+    def own_fuser(self):
+        """The fuser that runs this module's basic ops when it is called directly."""
+        fuser = self.__dict__.get("_self_fuser")
+        if fuser is None:
+            from .fuser import OperationFuser  # local import: fuser depends on this module
+
+            fuser = OperationFuser(list(self.basic_ops))
+            self.__dict__["_self_fuser"] = fuser
+        return fuser
+
+    def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
+        """Run the covered basic ops as one fuser (planned with the global rules)."""
+        return self.own_fuser()(x, *extra_inputs)
 
 
 class BasicOperation(FusibleOperation):
@@ -138,9 +177,50 @@ class BasicOperation(FusibleOperation):
         """Quantizer this op wants its output's gradient in (``None``: plain tensors)."""
         return None
 
+    # -- parameters ----------------------------------------------------------------------
+    def register_parameter(self, name: str, param) -> None:
+        super().register_parameter(name, param)
+        order = self.__dict__.setdefault("_param_order", [])
+        if name not in order:
+            order.append(name)
+
+    def __getattr__(self, name: str):
+        lent = self.__dict__.get("_lent_params")
+        if lent is not None and name in lent[1]:
+            return getattr(lent[0], name)
+        return super().__getattr__(name)
+
+    def lend_parameters(self, owner: torch.nn.Module, names: tuple[str, ...]) -> None:
+        """Let ``owner`` own this op's parameters ``names``: they are removed from this op and
+        ``self.<name>`` reads ``owner.<name>`` from then on (so whatever torch does to the owner's
+        attribute, e.g. ``functional_call`` or a parametrization, is what this op computes with).
+        The owner registers them itself. Used by composite modules such as ``Linear``."""
+        for n in names:
+            self._parameters.pop(n, None)
+        self.__dict__["_lent_params"] = (owner, frozenset(names))
+        owner.__dict__.setdefault("_borrowers", []).append(self)
+        self._bump_state_version()
+
+    def param_names(self) -> tuple[str, ...]:
+        """Names of the parameters this op computes with, in registration order (``None``
+        entries skipped). ``getattr(self, name)`` gives the tensor to use for this call."""
+        cache = self.__dict__.get("_param_names_cache")
+        version = self.__dict__.get("state_version", 0)
+        if cache is None or cache[0] != version:
+            names = tuple(n for n in self.__dict__.get("_param_order", ()) if _has_tensor(self, n))
+            cache = (version, names)
+            self.__dict__["_param_names_cache"] = cache
+        return cache[1]
+
+    def param_owner(self, name: str) -> torch.nn.Module:
+        """The module whose attribute ``name`` is this op's parameter (self, or the owner)."""
+        lent = self.__dict__.get("_lent_params")
+        return lent[0] if lent is not None and name in lent[1] else self
+
     # -- planning hooks ----------------------------------------------------------------
     def plan_key(self) -> tuple:
-        """Op state a fusion rule may depend on, beyond the fuser's own key (e.g. a flag).
+        """Op state a fusion rule may depend on that is NOT an attribute assignment (those are
+        covered by ``state_version``), e.g. a value inside a mutable container.
 
         Included in the plan cache key; keep it cheap (a tuple of scalars).
         """
@@ -163,18 +243,15 @@ class BasicOperation(FusibleOperation):
         dx, param_grads = self.op_backward(ctxs[0], dy)
         return dx, [tuple(param_grads)], [()]
 
-    # -- module call -------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
-        from .fuser import OperationFuser  # local import: fuser depends on this module
-
-        fuser = self.__dict__.get("_self_fuser")
-        if fuser is None:
-            fuser = OperationFuser([self])
-            self.__dict__["_self_fuser"] = fuser
-        return fuser(x, *extra_inputs)
-
     def extra_repr(self) -> str:
         return ""
+
+
+def _has_tensor(op: torch.nn.Module, name: str) -> bool:
+    try:
+        return getattr(op, name) is not None
+    except AttributeError:
+        return False
 
 
 def _op_kwargs(kwargs: dict) -> dict:
@@ -206,16 +283,6 @@ class FusedOperation(FusibleOperation):
     @property
     def basic_ops(self) -> tuple[BasicOperation, ...]:
         return self.__dict__["_basic_ops"]
-
-    def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
-        """Run the covered basic ops as one fuser (planned with the global rules)."""
-        from .fuser import OperationFuser
-
-        fuser = self.__dict__.get("_self_fuser")
-        if fuser is None:
-            fuser = OperationFuser(list(self.basic_ops))
-            self.__dict__["_self_fuser"] = fuser
-        return fuser(x, *extra_inputs)
 
     def __repr__(self) -> str:
         inner = ", ".join(type(op).__name__ for op in self.basic_ops)

@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import itertools
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from .op import FusibleOperation
+
 PASSES = ("forward", "backward", "joint")
 
 _epoch = itertools.count(1)
 _disabled: dict[str, int] = {}  # name -> nesting count, for fusion_rules.disabled
-_disabled_epoch = [0]
+_disabled_now = [frozenset()]  # the names disabled right now (part of every plan key)
+_known_names: set[str] = set()  # every rule name ever registered in any RuleSet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +133,7 @@ class RuleSet:
             if not callable(builder):
                 raise TypeError(f"rule {name!r}: build must be callable")
             self._rules[name] = FusionRule(name, matchers, pass_, builder, check, int(priority))
+            _known_names.add(name)
             self.version = next(_epoch)
             return builder
 
@@ -183,10 +188,25 @@ def register_fusion(name: str, pattern=None, *, pass_: str, build: Callable = No
 
 @contextlib.contextmanager
 def disabled(*names: str):
-    """Disable the named rules (in every rule set) inside the ``with`` block."""
+    """Disable the named rules (in every rule set) inside the ``with`` block.
+
+    Names must be registered rules (in any rule set); an unknown name raises ``ValueError``
+    listing close matches. Plans are cached per set of disabled names, so using the same
+    ``disabled(...)`` every step re-plans nothing and the plan caches stay bounded.
+    """
+    from . import fusion_rules  # noqa: F401  (the built-in names are known once registered)
+
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"fusion_rules.disabled: rule names are strings, got {n!r}")
+        if n not in _known_names:
+            close = difflib.get_close_matches(n, sorted(_known_names), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise ValueError(f"fusion_rules.disabled: no rule named {n!r}{hint} "
+                             f"(built-in names: fusible_ops.RuleSet.builtin().names())")
     for n in names:
         _disabled[n] = _disabled.get(n, 0) + 1
-    _disabled_epoch[0] = next(_epoch)
+    _disabled_now[0] = frozenset(_disabled)
     try:
         yield
     finally:
@@ -194,11 +214,12 @@ def disabled(*names: str):
             _disabled[n] -= 1
             if _disabled[n] == 0:
                 del _disabled[n]
-        _disabled_epoch[0] = next(_epoch)
+        _disabled_now[0] = frozenset(_disabled)
 
 
-def disabled_epoch() -> int:
-    return _disabled_epoch[0]
+def disabled_key() -> frozenset:
+    """The rule names disabled right now (part of every plan key)."""
+    return _disabled_now[0]
 
 
 # --------------------------------------------------------------------------------------
@@ -266,8 +287,12 @@ def plan_pass(
             break
         _, rule, start, matched = best
         fused = rule.build(matched)
-        if fused is None:
-            raise RuntimeError(f"fusion rule {rule.name!r}: build returned None")
+        if not isinstance(fused, FusibleOperation):
+            raise TypeError(
+                f"fusion rule {rule.name!r}: build({[type(op).__name__ for op in matched]}) returned "
+                f"{type(fused).__name__}; it must return a fusible_ops.FusedOperation over exactly the "
+                f"matched basic ops (e.g. MyFused(ops))"
+            )
         idx = tuple(range(start, start + len(matched)))
         groups[start] = Group(rule.name, idx, fused)
         for i in idx:

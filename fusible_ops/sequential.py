@@ -18,6 +18,31 @@ def _basic_ops_of(module: torch.nn.Module) -> Optional[list[BasicOperation]]:
     return None
 
 
+def _has_hooks(m: torch.nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
+def _global_hooks() -> bool:
+    g = torch.nn.modules.module
+    return bool(g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
+                or g._global_backward_pre_hooks)
+
+
+class _Alone:
+    """A fusible module with module hooks: it runs through its own ``__call__`` (so its hooks
+    see its inputs and outputs) and is a fusion boundary for its neighbours."""
+
+    def __init__(self, module: FusibleOperation) -> None:
+        self.module = module
+        self.fuser = module.own_fuser()
+        self.ops = self.fuser.ops
+        self.num_extra_inputs = self.fuser.num_extra_inputs
+        self.num_extra_outputs = self.fuser.num_extra_outputs
+
+    def __call__(self, x, *extra_inputs):
+        return self.module(x, *extra_inputs)
+
+
 class Sequential(torch.nn.Module):
     """Runs modules in order; consecutive fusible ops run as one fused
     :class:`~fusible_ops.fuser.OperationFuser`, other modules run as-is between fusers.
@@ -33,11 +58,25 @@ class Sequential(torch.nn.Module):
 
     def __init__(self, *modules: torch.nn.Module, rules: Optional[RuleSet] = None) -> None:
         super().__init__()
+        self._stages: Optional[list] = None
+        self._hook_sig: object = None
         self.rules = rules
         for i, m in enumerate(modules):
             self._check_module(m)
             self.add_module(str(i), m)
-        self._stages: Optional[list] = None
+
+    @property
+    def rules(self) -> Optional[RuleSet]:
+        """The rule set this Sequential plans with (``None``: the global set). Assigning it
+        re-plans from the next call."""
+        return self.__dict__["_rules"]
+
+    @rules.setter
+    def rules(self, value: Optional[RuleSet]) -> None:
+        if value is not None and not isinstance(value, RuleSet):
+            raise TypeError(f"Sequential.rules must be a fusible_ops.RuleSet or None, got {type(value).__name__}")
+        self.__dict__["_rules"] = value
+        self._invalidate()
 
     # -- container protocol --------------------------------------------------------------
     @staticmethod
@@ -97,33 +136,47 @@ class Sequential(torch.nn.Module):
         return self
 
     # -- stages ----------------------------------------------------------------------------
+    def _hook_signature(self):
+        """Which modules have hooks now (global module hooks: all of them)."""
+        if _global_hooks():
+            return True
+        return tuple([_has_hooks(m) for m in self._modules.values()])
+
     def _get_stages(self) -> list:
-        """Consecutive fusible modules grouped into fusers: list of (fuser | module, module indices)."""
-        if self._stages is None:
+        """Consecutive fusible modules grouped into fusers: list of (stage, module indices), a
+        stage being a fuser, a fusible module with hooks (:class:`_Alone`) or a plain module.
+        Rebuilt when a module gains or loses hooks."""
+        sig = self._hook_signature()
+        if self._stages is None or sig != self._hook_sig:
+            hooked = [True] * len(self._modules) if sig is True else sig
             stages, run, run_idx = [], [], []
-            for i, m in enumerate(self._modules.values()):
+
+            def close_run():
+                if run:
+                    stages.append((OperationFuser(list(run), rules=self.rules), list(run_idx)))
+                    run.clear()
+                    run_idx.clear()
+
+            for i, (m, has_hooks) in enumerate(zip(self._modules.values(), hooked)):
                 basic = _basic_ops_of(m)
-                if basic is None:
-                    if run:
-                        stages.append((OperationFuser(run, rules=self.rules), run_idx))
-                        run, run_idx = [], []
-                    stages.append((m, [i]))
+                if basic is None or has_hooks:
+                    close_run()
+                    stages.append((_Alone(m) if basic is not None else m, [i]))
                 else:
                     run.extend(basic)
                     run_idx.append(i)
-            if run:
-                stages.append((OperationFuser(run, rules=self.rules), run_idx))
-            self._stages = stages
+            close_run()
+            self._stages, self._hook_sig = stages, sig
         return self._stages
 
     def forward(self, x: torch.Tensor, *extra_inputs):
         stages = self._get_stages()
-        needed = sum(s.num_extra_inputs for s, _ in stages if isinstance(s, OperationFuser))
+        needed = sum(s.num_extra_inputs for s, _ in stages if isinstance(s, (OperationFuser, _Alone)))
         if len(extra_inputs) != needed:
             raise TypeError(f"Sequential expected {needed} extra input(s) after x, got {len(extra_inputs)}")
         extra_outputs, k = [], 0
         for stage, _ in stages:
-            if isinstance(stage, OperationFuser):
+            if isinstance(stage, (OperationFuser, _Alone)):
                 n = stage.num_extra_inputs
                 out = stage(x, *extra_inputs[k : k + n])
                 k += n
@@ -140,42 +193,57 @@ class Sequential(torch.nn.Module):
 
     # -- introspection -----------------------------------------------------------------------
     def _plans(self, x: Optional[torch.Tensor], extra_inputs):
-        """(stage, plan, global basic-op offset) for every fuser, planned for input ``x``."""
+        """(fuser, plan, global basic-op offset) for every fuser, planned for input ``x``.
+
+        Without ``x``: each fuser's plan for the inputs of its last call (so the report is what
+        runs, with the ops' current state), or before any call, a training call with an input
+        of the parameters' dtype and device."""
         stages = self._get_stages()
         out, offset, k = [], 0, 0
         for stage, _ in stages:
-            if not isinstance(stage, OperationFuser):
+            if not isinstance(stage, (OperationFuser, _Alone)):
                 continue
+            fuser = stage if isinstance(stage, OperationFuser) else stage.fuser
             n = stage.num_extra_inputs
+            grad_on = torch.is_grad_enabled()
             if x is None:
-                sample = self._sample_input(stage)
-                ex = extra_inputs[k : k + n] if extra_inputs else tuple(None for _ in range(n))
+                last = fuser.last_call_inputs()
+                if last is not None:
+                    grad_on, sample, ex = last
+                else:
+                    sample = self._sample_input(fuser)
+                    ex = extra_inputs[k : k + n] if extra_inputs else tuple(None for _ in range(n))
             else:
                 sample, ex = x, extra_inputs[k : k + n]
             k += n
-            out.append((stage, stage.plan_for(sample, ex), offset))
-            offset += len(stage.ops)
+            with torch.set_grad_enabled(grad_on):
+                out.append((fuser, fuser.plan_for(sample, ex), offset))
+            offset += len(fuser.ops)
         return out
 
     @staticmethod
     def _sample_input(fuser: OperationFuser) -> torch.Tensor:
         """A tiny stand-in input with the dtype/device of the first op's parameters."""
         for op in fuser.ops:
-            for p in op.parameters():
+            for n in op.param_names():
+                p = getattr(op, n)
                 return torch.empty(0, dtype=p.dtype, device=p.device, requires_grad=torch.is_grad_enabled())
         return torch.empty(0, requires_grad=torch.is_grad_enabled())
 
     def basic_ops(self) -> list[BasicOperation]:
         """All basic ops in order (the indices that plans refer to)."""
-        return [op for s, _ in self._get_stages() if isinstance(s, OperationFuser) for op in s.ops]
+        return [op for s, _ in self._get_stages() if isinstance(s, (OperationFuser, _Alone)) for op in s.ops]
 
     def fusion_plan(self, pass_: str = "forward", x: Optional[torch.Tensor] = None, *extra_inputs) -> list[dict]:
         """The plan as data: one dict per group, ``{"rule": name or None, "op": class name,
         "indices": basic-op indices (global over this Sequential's basic ops)}``.
 
         ``pass_`` is ``"forward"`` or ``"backward"`` (joint fusions appear in both). Without
-        ``x`` the plan is made for a training call with an input of the parameters' dtype and
-        device that requires grad; pass ``x`` (and extra inputs) to see the plan for that call.
+        ``x`` it is the plan the last call's inputs get with the ops' current state (what the
+        next such call runs), or before any call, the plan of a training call with an input of
+        the parameters' dtype and device that requires grad; pass ``x`` (and extra inputs) to
+        see the plan for that call. A fusible module with hooks runs on its own (a fusion
+        boundary), so its hooks see its inputs and outputs.
         """
         if pass_ not in ("forward", "backward"):
             raise ValueError(f"pass_ must be 'forward' or 'backward', got {pass_!r}")
@@ -198,6 +266,10 @@ class Sequential(torch.nn.Module):
         ops = self.basic_ops()
         lines.append("basic ops: " + ", ".join(f"[{i}] {type(op).__name__}" for i, op in enumerate(ops)))
         plans = self._plans(x, extra_inputs)
+        for (stage, idx) in self._get_stages():
+            if isinstance(stage, _Alone):
+                lines.append(f"module [{idx[0]}] {type(stage.module).__name__} has hooks: runs on its own "
+                             f"(a fusion boundary), so its hooks see its inputs and outputs")
         for pass_ in ("forward", "backward"):
             lines.append(f"{pass_} plan:")
             for _, plan, offset in plans:

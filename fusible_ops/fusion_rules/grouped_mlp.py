@@ -49,7 +49,10 @@ class FusedGroupedMLP(FusedOperation):
                 raise ValueError("fused grouped MLP: FC1 and FC2 split sizes differ")
         scales = None
         if scaled:
-            scales = act.check_scales(x.new_empty(x2d.shape[0], 2 * fc2.in_features), extra_inputs[1][0])
+            given = extra_inputs[1][0]
+            act.check_scales(x.new_empty(()).expand(*x.shape[:-1], 2 * fc2.in_features), given)  # no alloc
+            scales = given.reshape(x2d.shape[0])
+            ca.scales_shape = given.shape
         y, h = gm.grouped_glu_fwd(x2d, fc1.weight, splits, fc1.bias, act.kind, scales)
         out = gg.grouped_gemm_fwd(y, fc2.weight, splits, fc2.bias)
         if c1.requires_grad:
@@ -89,7 +92,7 @@ class FusedGroupedMLP(FusedOperation):
         g1 = (dw1, db1) if fc1.bias is not None else (dw1,)
         g2 = (dw2, db2) if fc2.bias is not None else (dw2,)
         if dscales is not None:
-            dscales = dscales.to(scales.dtype).reshape(scales.shape)
+            dscales = dscales.to(scales.dtype).reshape(ca.scales_shape)
         extra_act = (dscales,) if isinstance(act, ScaledSwiGLU) else ()
         return dx, [g1, (), g2], [(None,), extra_act, (None,)]
 

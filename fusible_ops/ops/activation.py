@@ -69,6 +69,8 @@ def _gelu(x, approximate):
 
 
 class ReLU(Activation):
+    """``y = max(x, 0)`` elementwise (NaN propagates, as in ``torch.relu``)."""
+
     kind = "relu"
 
     def reference_forward(self, x):
@@ -76,7 +78,8 @@ class ReLU(Activation):
 
 
 class GELU(Activation):
-    """GELU; ``approximate="none"`` (erf) or ``"tanh"``."""
+    """``y = x * Phi(x)`` elementwise, ``Phi`` the standard normal CDF; ``approximate="none"``
+    (exact, erf) or ``"tanh"`` (``torch.nn.functional.gelu``'s tanh formula)."""
 
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
@@ -93,6 +96,8 @@ class GELU(Activation):
 
 
 class SiLU(Activation):
+    """``y = x * sigmoid(x)`` elementwise (a.k.a. swish)."""
+
     kind = "silu"
 
     def reference_forward(self, x):
@@ -111,6 +116,10 @@ class _Gated(Activation):
 
 
 class SwiGLU(_Gated):
+    """``y = silu(a) * b`` where ``a, b = x.chunk(2, dim=-1)``: the first half is activated.
+
+    Input ``[..., 2n]``, output ``[..., n]``."""
+
     kind = "swiglu"
 
     def _act(self, a):
@@ -118,6 +127,10 @@ class SwiGLU(_Gated):
 
 
 class ReGLU(_Gated):
+    """``y = relu(a) * b`` where ``a, b = x.chunk(2, dim=-1)``: the first half is activated.
+
+    Input ``[..., 2n]``, output ``[..., n]``."""
+
     kind = "reglu"
 
     def _act(self, a):
@@ -125,7 +138,9 @@ class ReGLU(_Gated):
 
 
 class GEGLU(_Gated):
-    """GEGLU; ``approximate="none"`` (erf) or ``"tanh"``."""
+    """``y = gelu(a) * b`` where ``a, b = x.chunk(2, dim=-1)``: the first half is activated.
+
+    Input ``[..., 2n]``, output ``[..., n]``; ``approximate="none"`` (erf) or ``"tanh"``."""
 
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
@@ -142,9 +157,11 @@ class GEGLU(_Gated):
 
 
 class ScaledSwiGLU(BasicOperation):
-    """``swiglu(x) * scales[..., None]``; extra input ``scales`` (one per row, e.g. MoE routing
-    probabilities), shape ``x.shape[:-1]`` (or flat with one entry per row). The scales get a
-    gradient when they require one."""
+    """``y = silu(a) * b * scales[..., None]`` where ``a, b = x.chunk(2, dim=-1)`` (the first half
+    is activated): input ``[..., 2n]``, output ``[..., n]``.
+
+    Extra input ``scales``: one per row (e.g. MoE routing probabilities), shaped ``x.shape[:-1]``
+    or flat ``[rows]``; its gradient comes back in the scales' own shape when they require one."""
 
     num_extra_inputs = 1
     kind = "scaled_swiglu"
@@ -155,6 +172,8 @@ class ScaledSwiGLU(BasicOperation):
         return cls(), n // 2
 
     def check_scales(self, x: torch.Tensor, scales) -> torch.Tensor:
+        """Validate ``scales`` for input ``x``: shape ``x.shape[:-1]`` or flat ``[rows]``.
+        Returns them viewed as ``x.shape[:-1]`` (gradients go back in the scales' own shape)."""
         check_input(self, x)
         if x.dim() == 0 or x.shape[-1] % 2 != 0:
             raise ValueError(f"ScaledSwiGLU: the input's last dim must be even, got shape {list(x.shape)}")
@@ -163,16 +182,19 @@ class ScaledSwiGLU(BasicOperation):
         if scales.device != x.device:
             raise RuntimeError(f"ScaledSwiGLU: scales are on {scales.device} but the input is on {x.device}")
         rows = math.prod(x.shape[:-1])
-        if scales.numel() != rows:
+        if scales.shape != x.shape[:-1] and tuple(scales.shape) != (rows,):
             raise ValueError(
-                f"ScaledSwiGLU: scales need one entry per row ({rows}), got shape {list(scales.shape)}"
+                f"ScaledSwiGLU: scales must have shape {list(x.shape[:-1])} (the input's leading dims) or "
+                f"[{rows}] (one per row), got {list(scales.shape)}"
             )
         return scales.reshape(x.shape[:-1])
 
     def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
         ctx = ctxs[0]
-        scales = self.check_scales(x, extra_inputs[0][0])
+        given = extra_inputs[0][0]
+        scales = self.check_scales(x, given)
         y = _kernels().scaled_swiglu_fwd(x, scales)
+        ctx.scales_shape = given.shape
         ctx.scales_requires_grad = ctx.requires_grad and scales.requires_grad
         if ctx.input_requires_grad or ctx.scales_requires_grad:
             ctx.save_for_backward(x, scales)
@@ -184,6 +206,8 @@ class ScaledSwiGLU(BasicOperation):
             return None, [()], [(None,)]
         x, scales = ctx.saved_tensors
         dx, dscales = _kernels().scaled_swiglu_bwd(dy, x, scales, ctx.scales_requires_grad)
+        if dscales is not None:
+            dscales = dscales.reshape(ctx.scales_shape)
         return (dx if ctx.input_requires_grad else None), [()], [(dscales,)]
 
     def reference_forward(self, x, scales):

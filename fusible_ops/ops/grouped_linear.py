@@ -17,7 +17,8 @@ def check_split_sizes(op, split_sizes, num_groups: int, rows: int, device: torch
     Host-known properties (a 1-D integer tensor of length ``num_groups``) are checked on the
     host. Values: a CPU tensor is checked on the host (``ValueError``); a CUDA tensor is checked
     on the device asynchronously (``torch._assert_async``: no host sync, so the call stays
-    CUDA-graph capturable) and a bad value fails loudly at the next synchronization.
+    CUDA-graph capturable) and a bad value fails loudly at the next synchronization. Under
+    ``torch.compile`` both use the tensor assert (no data-dependent Python branch to trace).
     """
     name = type(op).__name__
     if not isinstance(split_sizes, torch.Tensor):
@@ -28,13 +29,13 @@ def check_split_sizes(op, split_sizes, num_groups: int, rows: int, device: torch
         raise ValueError(
             f"{name}: split sizes must have shape [{num_groups}] (one per group), got {list(split_sizes.shape)}"
         )
-    if split_sizes.device.type == "cpu":
+    if split_sizes.device.type == "cpu" and not torch.compiler.is_compiling():
         values = split_sizes.tolist()
         if any(v < 0 for v in values):
             raise ValueError(f"{name}: split sizes must be non-negative, got {values}")
         if sum(values) != rows:
             raise ValueError(f"{name}: split sizes sum to {sum(values)} but the input has {rows} rows")
-    else:
+    else:  # CUDA, or traced by torch.compile: a tensor assert, no data-dependent Python branch
         ok = (split_sizes >= 0).all() & (split_sizes.sum() == rows)
         torch._assert_async(ok, f"{name}: split sizes must be non-negative and sum to the input's {rows} rows")
     return split_sizes.to(device=device, dtype=torch.int64)

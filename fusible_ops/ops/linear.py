@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ..grad import WeightGradMixin, deliver_weight_grad
-from ..op import BasicOperation, FusedOperation
+from ..op import BasicOperation, FusibleOperation
 from ._common import check_input, gemm_wgrad
 
 
@@ -120,12 +120,16 @@ class Bias(BasicOperation):
         return x + self.bias
 
 
-class Linear(FusedOperation):
-    """``torch.nn.Linear`` as fusible ops: :class:`BasicLinear` followed by :class:`Bias`.
+class Linear(FusibleOperation):
+    """``torch.nn.Linear`` as fusible ops: ``y = x @ weight.T + bias``, run as
+    :class:`BasicLinear` followed by :class:`Bias` (so it fuses with its neighbours).
 
-    Same init and parameter names (``weight``, ``bias``) as ``torch.nn.Linear``, so checkpoints
-    are interchangeable. The parameters are owned by the basic ops and only exposed here.
-    Takes the gradient-contract flags of :class:`BasicLinear`.
+    ``weight`` [out_features, in_features] and ``bias`` [out_features] are this module's own
+    parameters, with ``torch.nn.Linear``'s init and names, so checkpoints are interchangeable.
+    Its basic ops hold no copy: they read ``self.weight`` / ``self.bias`` of this module at every
+    call, so whatever torch does to these attributes is honoured (``torch.func.functional_call``,
+    parametrizations such as ``weight_norm``, reassignment, ``.to()``). Takes the
+    gradient-contract flags of :class:`BasicLinear` (readable and settable here).
     """
 
     def __init__(
@@ -139,6 +143,7 @@ class Linear(FusedOperation):
         accumulate_into_main_grad: bool = False,
         delay_wgrad_compute: bool = False,
     ) -> None:
+        super().__init__()
         linear = BasicLinear(
             in_features,
             out_features,
@@ -148,44 +153,43 @@ class Linear(FusedOperation):
             delay_wgrad_compute=delay_wgrad_compute,
         )
         ops = [linear]
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = linear.weight
+        linear.lend_parameters(self, ("weight",))
         if bias:
             b = Bias(out_features, device=device, dtype=dtype)
             bound = 1 / math.sqrt(in_features)
             with torch.no_grad():
                 b.bias.uniform_(-bound, bound)  # torch.nn.Linear's bias init
+            self.bias = b.bias
+            b.lend_parameters(self, ("bias",))
             ops.append(b)
-        super().__init__(ops)
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = linear.weight
-        if bias:
-            self.bias = ops[1].bias
         else:
             self.register_parameter("bias", None)
+        self.__dict__["_basic_ops"] = tuple(ops)
+
+    @property
+    def is_fused_op(self) -> bool:
+        return False
+
+    @property
+    def basic_ops(self) -> tuple[BasicOperation, ...]:
+        return self.__dict__["_basic_ops"]
 
     @classmethod
     def _example(cls, n: int, **factory):
         return cls(n, n + 2, **factory), n + 2
 
-    def __setattr__(self, name, value):
-        # Keep the basic ops' parameters and ours the same objects (e.g. load / reassign).
-        if name == "weight" and "_basic_ops" in self.__dict__ and isinstance(value, torch.nn.Parameter):
-            self.basic_ops[0].weight = value
-        if name == "bias" and "_basic_ops" in self.__dict__ and isinstance(value, torch.nn.Parameter):
-            if len(self.basic_ops) > 1:
-                self.basic_ops[1].bias = value
-        super().__setattr__(name, value)
+    def reset_parameters(self) -> None:
+        """``torch.nn.Linear``'s init."""
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features)
+            with torch.no_grad():
+                self.bias.uniform_(-bound, bound)
 
-    def _apply(self, fn, recurse=True):
-        # .to()/.cuda() may replace parameters: re-share them with the basic ops.
-        for op in self.basic_ops:
-            op._apply(fn, recurse)
-        self._parameters["weight"] = self.basic_ops[0].weight
-        if len(self.basic_ops) > 1:
-            self._parameters["bias"] = self.basic_ops[1].bias
-        return self
-
-    # weight-gradient contract delegates to the BasicLinear
+    # weight-gradient contract: delegated to the BasicLinear
     def backward_dw(self) -> None:
         self.basic_ops[0].backward_dw()
 
@@ -196,9 +200,17 @@ class Linear(FusedOperation):
     def accumulate_into_main_grad(self) -> bool:
         return self.basic_ops[0].accumulate_into_main_grad
 
+    @accumulate_into_main_grad.setter
+    def accumulate_into_main_grad(self, value: bool) -> None:
+        self.basic_ops[0].accumulate_into_main_grad = bool(value)
+
     @property
     def delay_wgrad_compute(self) -> bool:
         return self.basic_ops[0].delay_wgrad_compute
+
+    @delay_wgrad_compute.setter
+    def delay_wgrad_compute(self, value: bool) -> None:
+        self.basic_ops[0].delay_wgrad_compute = bool(value)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
