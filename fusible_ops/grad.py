@@ -111,11 +111,23 @@ def _dummy_grad(op, param: torch.Tensor) -> torch.Tensor:
     return d
 
 
-def _apply_now(op, param: torch.Tensor, compute: WgradCompute, *, delayed: bool) -> Optional[torch.Tensor]:
+def _accumulate_into(param: torch.Tensor, token) -> bool:
+    """Whether this delivery adds into main_grad. With ``overwrite_main_grad`` the FIRST
+    delivery of one backward (``token``: the autograd graph task, or one ``backward_dw()``
+    call) overwrites and later ones (a weight used twice) accumulate."""
+    if not getattr(param, "overwrite_main_grad", False):
+        return True
+    if getattr(param, "_main_grad_written_by", None) == token:
+        return True
+    param._main_grad_written_by = token
+    return False
+
+
+def _apply_now(op, param: torch.Tensor, compute: WgradCompute, *, delayed: bool, token) -> Optional[torch.Tensor]:
     """Run ``compute`` per the table. Returns what autograd gets (immediate) or None (delayed)."""
     if op.accumulate_into_main_grad:
         mg = main_grad_of(op, param, getattr(op, "main_grad_shape", None))
-        compute(mg, not bool(getattr(param, "overwrite_main_grad", False)))
+        compute(mg, _accumulate_into(param, token))
         if hasattr(param, "grad_added_to_main_grad"):
             param.grad_added_to_main_grad = True
             return None if delayed else _dummy_grad(op, param)
@@ -141,15 +153,16 @@ def deliver_weight_grad(op, param: torch.Tensor, compute: WgradCompute) -> Optio
             f"tensor with history), so it has no main_grad and no .grad of its own; use plain .grad "
             f"mode (accumulate_into_main_grad=False, no delayed weight gradients) for it"
         )
+    token = torch._C._current_graph_task_id()  # identifies this backward (overwrite_main_grad)
     if op.delay_wgrad_compute or scheduler_active():
         pending = op.__dict__.setdefault("_pending_wgrads", [])
-        pending.append((param, compute))
+        pending.append((param, compute, token))
         param.skip_backward_post_hook = True
         if not op.delay_wgrad_compute:
             with _sched_lock:
                 _sched_ops.setdefault(id(op), op)
         return None
-    return _apply_now(op, param, compute, delayed=False)
+    return _apply_now(op, param, compute, delayed=False, token=token)
 
 
 class WeightGradMixin:
@@ -184,9 +197,9 @@ class WeightGradMixin:
             return
         self.__dict__["_pending_wgrads"] = []
         params = []
-        for param, compute in pending:
+        for param, compute, token in pending:
             with torch.no_grad():
-                _apply_now(self, param, compute, delayed=True)
+                _apply_now(self, param, compute, delayed=True, token=token)
             if not any(p is param for p in params):
                 params.append(param)
         for p in params:

@@ -258,6 +258,22 @@ def test_tied_weight_accumulates_both_uses():
     torch.testing.assert_close(lin.weight.grad, w.grad)
 
 
+@pytest.mark.parametrize("delayed", [False, True])
+def test_overwrite_main_grad_with_a_tied_weight_overwrites_once_per_backward(delayed):
+    """The first use in a backward overwrites main_grad, later uses of that backward add."""
+    lin = fo.BasicLinear(4, 4, accumulate_into_main_grad=True, delay_wgrad_compute=delayed)
+    seq = fo.Sequential(lin, fo.ReLU(), lin)
+    x = torch.randn(3, 4, requires_grad=True)
+    w = lin.weight.detach().clone().requires_grad_()
+    torch.relu(x @ w.t()).matmul(w.t()).sum().backward()
+    lin.weight.main_grad = torch.full((4, 4), 100.0)
+    lin.weight.overwrite_main_grad = True
+    for _ in range(2):  # each backward starts over
+        seq(x).sum().backward()
+        lin.backward_dw()
+        torch.testing.assert_close(lin.weight.main_grad, w.grad)
+
+
 # ----------------------------------------------------------------------------- frozen weights
 @pytest.mark.parametrize("make", [lambda: fo.BasicLinear(64, 32), lambda: fo.Linear(64, 32),
                                   lambda: fo.GroupedLinear(2, 64, 32)])
