@@ -6,6 +6,7 @@ Chain basic ops in a :class:`Sequential`; its fuser replaces runs of adjacent op
 """
 
 from . import kernels
+from .errors import check_errors, device_checks, set_device_checks
 from .fuser import OperationFuser
 from .grad import delayed_wgrad, flush_wgrad
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
@@ -23,6 +24,6 @@ __all__ = [
     "AddExtraInput", "BasicLinear", "BasicOperation", "Bias", "ConstantScale", "Dropout", "FusedOperation",
     "FusibleOperation", "FusionContext", "GEGLU", "GELU", "GroupedLinear", "Identity", "LayerNorm", "Linear",
     "MakeExtraOutput", "OperationContext", "OperationFuser", "ReGLU", "ReLU", "Reshape", "RMSNorm", "RuleSet",
-    "ScaledSwiGLU", "SiLU", "Sequential", "SwiGLU", "delayed_wgrad", "flush_wgrad", "fusion_rules", "kernels",
-    "match", "register_fusion",
+    "ScaledSwiGLU", "SiLU", "Sequential", "SwiGLU", "check_errors", "delayed_wgrad", "device_checks", "flush_wgrad", "fusion_rules", "kernels",
+    "match", "register_fusion", "set_device_checks",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import device_check
 from ..grad import deliver_weight_grad
 from ..op import FusedOperation
 from ..ops.activation import GEGLU, ScaledSwiGLU, SwiGLU
@@ -44,7 +45,7 @@ class FusedGroupedMLP(FusedOperation):
         if s2 is not extra_inputs[0][0]:
             splits2 = check_split_sizes(fc2, s2, fc2.num_groups, x2d.shape[0], x.device)
             if splits2.is_cuda:
-                torch._assert_async((splits2 == splits).all(), "fused grouped MLP: FC1 and FC2 split sizes differ")
+                device_check(fc2, (splits2 == splits).all(), splits2, "FC2 split sizes must equal FC1's (fused grouped MLP)")
             elif not torch.equal(splits2, splits):
                 raise ValueError("fused grouped MLP: FC1 and FC2 split sizes differ")
         scales = None

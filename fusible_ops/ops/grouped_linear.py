@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from ..errors import device_check
 from ..grad import WeightGradMixin, deliver_weight_grad
 from ..op import BasicOperation
 from ._common import check_input
@@ -16,9 +17,11 @@ def check_split_sizes(op, split_sizes, num_groups: int, rows: int, device: torch
 
     Host-known properties (a 1-D integer tensor of length ``num_groups``) are checked on the
     host. Values: a CPU tensor is checked on the host (``ValueError``); a CUDA tensor is checked
-    on the device asynchronously (``torch._assert_async``: no host sync, so the call stays
-    CUDA-graph capturable) and a bad value fails loudly at the next synchronization. Under
-    ``torch.compile`` both use the tensor assert (no data-dependent Python branch to trace).
+    on the device (no host sync, so the call stays CUDA-graph capturable), reported per
+    :mod:`fusible_ops.errors`: by default a ``torch._assert_async`` that fails loudly at the next
+    synchronization, or with ``set_device_checks("flag")`` a recoverable flag that
+    ``fusible_ops.check_errors()`` turns into a ``ValueError``. Under ``torch.compile`` both
+    host and device tensors use the tensor assert (no data-dependent Python branch to trace).
     """
     name = type(op).__name__
     if not isinstance(split_sizes, torch.Tensor):
@@ -35,9 +38,9 @@ def check_split_sizes(op, split_sizes, num_groups: int, rows: int, device: torch
             raise ValueError(f"{name}: split sizes must be non-negative, got {values}")
         if sum(values) != rows:
             raise ValueError(f"{name}: split sizes sum to {sum(values)} but the input has {rows} rows")
-    else:  # CUDA, or traced by torch.compile: a tensor assert, no data-dependent Python branch
+    else:  # CUDA, or traced by torch.compile: checked on the device, no host sync
         ok = (split_sizes >= 0).all() & (split_sizes.sum() == rows)
-        torch._assert_async(ok, f"{name}: split sizes must be non-negative and sum to the input's {rows} rows")
+        device_check(op, ok, split_sizes, f"split sizes must be non-negative and sum to the input's {rows} rows")
     return split_sizes.to(device=device, dtype=torch.int64)
 
 
