@@ -50,13 +50,20 @@ def test_residual_norm_fused_on_cuda(dtype, norm):
 
 
 def test_dropout_mask_same_on_cpu_and_cuda():
+    """Dropout draws its seed tensor on the input's device (that device's generator); the same
+    seed VALUE gives the same mask on CPU and CUDA."""
+    from fusible_ops.kernels.dropout import dropout_fwd
+
     x = torch.randn(37, 129)
+    seed = torch.tensor([12345])
+    y_cpu = dropout_fwd(x, 0.3, seed)
+    torch.testing.assert_close(dropout_fwd(x.cuda(), 0.3, seed.cuda()).cpu(), y_cpu)
     d = fo.Dropout(0.3)
     torch.manual_seed(5)
-    y_cpu = d(x)
-    torch.manual_seed(5)
     y_gpu = d(x.cuda())
-    torch.testing.assert_close(y_gpu.cpu(), y_cpu)
+    torch.manual_seed(5)
+    drawn = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device="cuda")  # what the op draws
+    torch.testing.assert_close(y_gpu.cpu(), dropout_fwd(x, 0.3, drawn.cpu()))
 
 
 def test_kernels_dispatch_to_triton_on_cuda():

@@ -7,6 +7,10 @@ pre-activation is never written.
 
 Backward (``BackwardBiasActivation``): the activation gradient (after regenerating the dropout
 mask) and the bias gradient (a column reduction) in ONE Triton pass.
+
+Dropout's seed goes through the ``Dropout`` protocol: ``drop.start(ctx, z)`` in forward (draws the
+seed tensor on the device and saves it in the Dropout's ctx, exactly as ``Dropout.op_forward``
+does) and ``drop.seed_of(ctx)`` in backward; the kernels read the seed on the device.
 """
 
 from __future__ import annotations
@@ -73,13 +77,8 @@ class ForwardLinearBiasActivation(FusedOperation):
             self._fill_bias_ctx(ctx_of[id(bias)], bias)
             b = bias.bias
         act._check(z)
-        p, seed = 0.0, 0
-        if drop is not None:
-            dctx = ctx_of[id(drop)]
-            dctx.dropout_active = drop.active
-            if drop.active:
-                p, seed = drop.p, drop.draw_seed()
-                dctx.seed = seed
+        seed = drop.start(ctx_of[id(drop)], z) if drop is not None else None  # the Dropout seed protocol
+        p = drop.p if seed is not None else 0.0
         y = _kernels().bias_act_fwd(z, b, act.kind, dropout_p=p, seed=seed)
         act.save_ctx(ctx_of[id(act)], z, bias=b)
         return y, [() for _ in ctxs]
@@ -101,9 +100,8 @@ class BackwardBiasActivation(FusedOperation):
         ctx_of = {id(op): ctx for op, ctx in zip(self.basic_ops, ctxs)}
         bias, act, drop = self.roles["bias"], self.roles["act"], self.roles["dropout"]
         actx = ctx_of[id(act)]
-        p, seed = 0.0, 0
-        if drop is not None and ctx_of[id(drop)].dropout_active:
-            p, seed = drop.p, ctx_of[id(drop)].seed
+        seed = drop.seed_of(ctx_of[id(drop)]) if drop is not None else None
+        p = drop.p if seed is not None else 0.0
         need_dbias = bias is not None and ctx_of[id(bias)].bias_requires_grad
         grads = []
         if not actx.saved_tensors:  # nothing before needs a gradient

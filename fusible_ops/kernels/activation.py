@@ -13,7 +13,11 @@ Math, all in fp32 (fp64 on the ref path for fp64 inputs); ``z = x + bias`` (or `
   every kernel gets it from the shared ``_keep_tile`` helper (column tiles start at multiples
   of a power-of-two ``BLOCK_C >= 4``).
 
-Layout: Triton kernels, launchers + custom ops, public functions, pure-torch refs.
+NaN / Inf: both paths give what torch's activations (and dropout) give, forward and backward;
+the table is in :mod:`fusible_ops.kernels.activation_ref`, which holds the pure-torch ``*_ref``
+twins (re-exported here) and the checks both paths share.
+
+Layout: Triton kernels, launchers + custom ops, public functions.
 One forward kernel serves ``bias_act_fwd`` and ``scaled_swiglu_fwd``; one backward
 kernel computes the input gradient and, in the same pass, the bias column sums
 (per-program fp32 partials, reduced deterministically afterwards) or the per-row
@@ -26,31 +30,19 @@ from typing import Optional
 import torch
 
 from fusible_ops.kernels import HAS_TRITON, use_triton
-from fusible_ops.kernels.dropout import (
-    _MIN_BLOCK_C,
-    _as_rows,
-    _check_p_seed,
-    _elementwise_config,
-    _keep_scale,
-    _off64,
-    dropout_keep_mask,
+from fusible_ops.kernels.activation_ref import (  # noqa: F401  (re-exported: one module to import)
+    ACTIVATIONS,
+    GATED,
+    _check_bias_act,
+    _check_kind,
+    _check_scales,
+    _out_cols,
+    bias_act_bwd_ref,
+    bias_act_fwd_ref,
+    scaled_swiglu_bwd_ref,
+    scaled_swiglu_fwd_ref,
 )
-
-ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "geglu_tanh", "reglu")
-GATED: frozenset[str] = frozenset({"swiglu", "geglu", "geglu_tanh", "reglu"})
-
-# kind -> (elementwise activation, gated); ids used as tl.constexpr in the kernels
-_BASE = {
-    "relu": ("relu", False), "gelu": ("gelu", False), "gelu_tanh": ("gelu_tanh", False),
-    "silu": ("silu", False), "swiglu": ("silu", True), "geglu": ("gelu", True),
-    "geglu_tanh": ("gelu_tanh", True), "reglu": ("relu", True),
-}
-_ACT_ID = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
-
-_SQRT_HALF = 0.7071067811865476  # 1/sqrt(2)
-_INV_SQRT_2PI = 0.3989422804014327  # 1/sqrt(2 pi)
-_SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2/pi)
-_GELU_C = 0.044715
+from fusible_ops.kernels.dropout import _MIN_BLOCK_C, _as_rows, _elementwise_config, _keep_scale, _off64, seed_tensor
 
 if HAS_TRITON:
     import triton
@@ -86,10 +78,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _act_and_grad(z, ACT: tl.constexpr):
-        """(act(z), act'(z)) in fp32 (an unused gradient is removed by dead-code elimination)."""
-        if ACT == 0:  # relu
-            y = tl.maximum(z, 0.0)
-            g = tl.where(z > 0.0, 1.0, 0.0)
+        """(act(z), act'(z)) in fp32 (an unused gradient is removed by dead-code elimination).
+        NaN/Inf follow torch (see the module docstring); apply act' with :func:`_dact`."""
+        if ACT == 0:  # relu: a select, so relu(nan) = nan (tl.maximum would drop the NaN)
+            y = tl.where(z <= 0.0, 0.0, z)
+            g = tl.where(z <= 0.0, 0.0, 1.0)
         elif ACT == 1:  # gelu (erf)
             cdf = _gelu_cdf(z)
             y = z * cdf
@@ -106,6 +99,16 @@ if HAS_TRITON:
         return y, g
 
     @triton.jit
+    def _dact(up, z, g, ACT: tl.constexpr):
+        """The gradient ``up`` (dL/dact) taken through the activation at z (act'(z) = g): a select
+        for relu, like torch's threshold_backward (0 where z <= 0 even for a NaN/Inf ``up``; ``up``
+        at z = NaN), else a product."""
+        if ACT == 0:
+            return tl.where(z <= 0.0, 0.0, up)
+        else:
+            return up * g
+
+    @triton.jit
     def _act_fwd_kernel(
         X,  # [n_rows, (2 if GATED else 1) * n_out], row stride stride_xr, column stride 1
         B,  # [(2 if GATED else 1) * n_out] bias (any float dtype) or dummy
@@ -116,7 +119,7 @@ if HAS_TRITON:
         stride_xr,
         p,  # fp32 drop probability
         scale,  # fp32 1 / (1 - p)
-        seed,
+        SEED,  # [1] int64 dropout seed (read on the device) or dummy
         ACT: tl.constexpr,
         GATED: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -143,9 +146,9 @@ if HAS_TRITON:
             if HAS_BIAS:
                 b += tl.load(B + n_out + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             y = y * b
-        if DROPOUT:
-            keep = _keep_tile(seed, rows, col0, n_out, p, BLOCK_R, BLOCK_C, OFF64)
-            y = tl.where(keep, y * scale, 0.0)
+        if DROPOUT:  # a product (like torch's dropout): NaN/Inf stay NaN where dropped
+            keep = _keep_tile(tl.load(SEED), rows, col0, n_out, p, BLOCK_R, BLOCK_C, OFF64)
+            y = y * tl.where(keep, scale, 0.0)
         if HAS_SCALES:
             y = y * tl.load(S + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
         tl.store(Y + rows64[:, None] * n_out + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -166,7 +169,7 @@ if HAS_TRITON:
         rows_per_prog,  # multiple of BLOCK_R
         p,
         scale,
-        seed,
+        SEED,  # [1] int64 dropout seed or dummy
         ACT: tl.constexpr,
         GATED: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -188,6 +191,8 @@ if HAS_TRITON:
             bias_a = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
             if GATED:
                 bias_b = tl.load(B + n_out + cols, mask=cmask, other=0.0).to(tl.float32)
+        if DROPOUT:
+            seed = tl.load(SEED)
         acc_a = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
         acc_b = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
         row_start = pid_r * rows_per_prog
@@ -204,8 +209,8 @@ if HAS_TRITON:
             else:
                 g = dy
             if DROPOUT:
-                keep = _keep_tile(seed, rows, col0, n_out, p, BLOCK_R, BLOCK_C, OFF64)
-                g = tl.where(keep, g * scale, 0.0)
+                m = tl.where(_keep_tile(seed, rows, col0, n_out, p, BLOCK_R, BLOCK_C, OFF64), scale, 0.0)
+                g = g * m
             x_ptrs = X + rows64[:, None] * stride_xr + cols[None, :]
             a = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
@@ -216,21 +221,21 @@ if HAS_TRITON:
                 b = tl.load(x_ptrs + n_out, mask=mask, other=0.0).to(tl.float32)
                 if HAS_BIAS:
                     b += bias_b[None, :]
-                da = g * b * dact_a
+                da = _dact(g * b, a, dact_a, ACT)
                 db = g * act_a
                 tl.store(dx_ptrs + n_out, db.to(DX.dtype.element_ty), mask=mask)
                 h = act_a * b
                 if NEED_DBIAS:
                     acc_b += tl.where(mask, db, 0.0)
             else:
-                da = g * dact_a
+                da = _dact(g, a, dact_a, ACT)
                 h = act_a
             tl.store(dx_ptrs, da.to(DX.dtype.element_ty), mask=mask)
             if NEED_DBIAS:
                 acc_a += tl.where(mask, da, 0.0)
             if NEED_DSCALES:
                 if DROPOUT:
-                    h = tl.where(keep, h * scale, 0.0)
+                    h = h * m
                 part = tl.sum(tl.where(mask, dy * h, 0.0), axis=1)
                 tl.store(DSP + pid_c.to(tl.int64) * n_rows + rows, part, mask=rmask)
         if NEED_DBIAS:
@@ -241,20 +246,6 @@ if HAS_TRITON:
 
 
 # ----------------------------------------------------------------------------- launchers
-
-
-def _check_kind(kind: str) -> tuple[int, bool]:
-    if kind not in _BASE:
-        raise ValueError(f"unknown activation kind {kind!r}; expected one of {ACTIVATIONS}")
-    base, gated = _BASE[kind]
-    return _ACT_ID[base], gated
-
-
-def _out_cols(x: torch.Tensor, gated: bool) -> int:
-    n = x.shape[-1]
-    if gated and n % 2:
-        raise ValueError(f"gated activation needs an even last dim, got {n}")
-    return n // 2 if gated else n
 
 
 # backward tiling: [BLOCK_R, BLOCK_C] tiles (8 elements per thread at 8 warps: sm_90 builds use
@@ -277,6 +268,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _act_fwd_launch(x, bias, scales, kind, dropout_p, seed):
+    """seed: [1] int64 tensor on x's device when dropout_p > 0, else None."""
     act, gated = _check_kind(kind)
     n_out = _out_cols(x, gated)
     y = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
@@ -290,7 +282,7 @@ def _act_fwd_launch(x, bias, scales, kind, dropout_p, seed):
     scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
     _act_fwd_kernel[grid](
         x2, bias_c, scales_c, y, n_rows, n_out, x2.stride(0),
-        float(dropout_p), _keep_scale(dropout_p), int(seed),
+        float(dropout_p), _keep_scale(dropout_p), seed if dropout_p > 0.0 else x2,
         ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None,
         DROPOUT=dropout_p > 0.0, OFF64=_off64(n_rows, n_out),
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
@@ -328,7 +320,7 @@ def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout
     scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
     _act_bwd_kernel[(n_row_progs, n_col_blocks)](
         dy2, x2, bias_c, scales_c, dx, dbp, dsp, n_rows, n_out, dy2.stride(0), x2.stride(0),
-        rows_per_prog, float(dropout_p), _keep_scale(dropout_p), int(seed),
+        rows_per_prog, float(dropout_p), _keep_scale(dropout_p), seed if dropout_p > 0.0 else x2,
         ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None,
         NEED_DBIAS=need_dbias, NEED_DSCALES=need_dscales, DROPOUT=dropout_p > 0.0,
         OFF64=_off64(n_rows, n_out), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
@@ -344,7 +336,7 @@ def _empty(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("fusible_ops::bias_act_fwd", mutates_args=())
 def _bias_act_fwd_op(
-    x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, dropout_p: float, seed: int
+    x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, dropout_p: float, seed: Optional[torch.Tensor]
 ) -> torch.Tensor:
     return _act_fwd_launch(x, bias, None, kind, dropout_p, seed)
 
@@ -358,7 +350,7 @@ def _(x, bias, kind, dropout_p, seed):
 @torch.library.custom_op("fusible_ops::bias_act_bwd", mutates_args=())
 def _bias_act_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, need_dbias: bool,
-    dropout_p: float, seed: int,
+    dropout_p: float, seed: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dz, dbias); dbias is an empty tensor when not needed (custom ops return no None)."""
     dz, dbias, _ = _act_bwd_launch(dy, x, bias, None, kind, need_dbias, False, dropout_p, seed)
@@ -373,7 +365,7 @@ def _(dy, x, bias, kind, need_dbias, dropout_p, seed):
 
 @torch.library.custom_op("fusible_ops::scaled_swiglu_fwd", mutates_args=())
 def _scaled_swiglu_fwd_op(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return _act_fwd_launch(x, None, scales, "swiglu", 0.0, 0)
+    return _act_fwd_launch(x, None, scales, "swiglu", 0.0, None)
 
 
 @_scaled_swiglu_fwd_op.register_fake
@@ -386,7 +378,7 @@ def _scaled_swiglu_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, scales: torch.Tensor, need_dscales: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dx, dscales); dscales is an empty tensor when not needed."""
-    dx, _, dscales = _act_bwd_launch(dy, x, None, scales, "swiglu", False, need_dscales, 0.0, 0)
+    dx, _, dscales = _act_bwd_launch(dy, x, None, scales, "swiglu", False, need_dscales, 0.0, None)
     return dx, (dscales if dscales is not None else _empty(x))
 
 
@@ -398,24 +390,9 @@ def _(dy, x, scales, need_dscales):
 # ----------------------------------------------------------------------------- public API
 
 
-def _check_bias_act(x, bias, kind, dropout_p, seed):
-    _, gated = _check_kind(kind)
-    if x.dim() < 1:
-        raise ValueError("bias_act: x must have at least one dimension")
-    _out_cols(x, gated)
-    if bias is not None and tuple(bias.shape) != (x.shape[-1],):
-        raise ValueError(f"bias_act: bias shape {tuple(bias.shape)} != ({x.shape[-1]},)")
-    _check_p_seed(dropout_p, seed)
-
-
-def _check_scales(x, scales):
-    _out_cols(x, True)
-    if tuple(scales.shape) != tuple(x.shape[:-1]):
-        raise ValueError(f"scaled_swiglu: scales shape {tuple(scales.shape)} != {tuple(x.shape[:-1])}")
-
-
 def bias_act_fwd(
-    x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, *, dropout_p: float = 0.0, seed: int = 0
+    x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, *, dropout_p: float = 0.0,
+    seed: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``y = dropout(act(x + bias))``.
 
@@ -423,19 +400,22 @@ def bias_act_fwd(
     bias: ``[N]`` or None, any float dtype (e.g. fp32 with bf16 x). kind: one of
     :data:`ACTIVATIONS`. Returns y ``[..., N]`` (``[..., N/2]`` for :data:`GATED` kinds,
     act on the first half times the second half), contiguous, x's dtype. Math in fp32.
-    With ``dropout_p > 0``, the mask is ``dropout_keep_mask(y.shape, dropout_p, seed)``
-    (the contract of :mod:`fusible_ops.kernels.dropout` on y's ``[rows, cols]`` view) and
-    kept values are scaled by ``1 / (1 - dropout_p)``.
+    With ``dropout_p > 0``, ``seed`` (an int64 tensor with one element, read on the device; see
+    :mod:`fusible_ops.kernels.dropout`) is required and the mask is
+    ``dropout_keep_mask(y.shape, dropout_p, seed)`` (the contract on y's ``[rows, cols]`` view);
+    y is multiplied by ``1 / (1 - dropout_p)`` where kept and by 0 where dropped. NaN/Inf in z
+    give what torch's activation (and dropout) give, forward and backward.
     """
     _check_bias_act(x, bias, kind, dropout_p, seed)
+    seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
     if use_triton(x, bias):
-        return _bias_act_fwd_op(x, bias, kind, float(dropout_p), int(seed))
+        return _bias_act_fwd_op(x, bias, kind, float(dropout_p), seed)
     return bias_act_fwd_ref(x, bias, kind, dropout_p=dropout_p, seed=seed)
 
 
 def bias_act_bwd(
     dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, need_dbias: bool,
-    *, dropout_p: float = 0.0, seed: int = 0,
+    *, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Gradient of :func:`bias_act_fwd` w.r.t. ``z = x + bias`` (= dL/dx) and bias.
 
@@ -448,8 +428,9 @@ def bias_act_bwd(
     """
     _check_bias_act(x, bias, kind, dropout_p, seed)
     need_dbias = bool(need_dbias) and bias is not None
+    seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
     if use_triton(dy, x, bias):
-        dz, dbias = _bias_act_bwd_op(dy, x, bias, kind, need_dbias, float(dropout_p), int(seed))
+        dz, dbias = _bias_act_bwd_op(dy, x, bias, kind, need_dbias, float(dropout_p), seed)
         return dz, (dbias if need_dbias else None)
     return bias_act_bwd_ref(dy, x, bias, kind, need_dbias, dropout_p=dropout_p, seed=seed)
 
@@ -480,119 +461,6 @@ def scaled_swiglu_bwd(
         dx, dscales = _scaled_swiglu_bwd_op(dy, x, scales, bool(need_dscales))
         return dx, (dscales if need_dscales else None)
     return scaled_swiglu_bwd_ref(dy, x, scales, need_dscales)
-
-
-# ----------------------------------------------------------------------------- references
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _act_and_grad_ref(z: torch.Tensor, base: str, need_grad: bool):
-    if base == "relu":
-        y = torch.relu(z)
-        g = (z > 0).to(z.dtype) if need_grad else None
-    elif base == "gelu":
-        cdf = 0.5 * (1.0 + torch.erf(z * _SQRT_HALF))
-        y = z * cdf
-        g = cdf + z * torch.exp(-0.5 * z * z) * _INV_SQRT_2PI if need_grad else None
-    elif base == "gelu_tanh":
-        t = torch.tanh(_SQRT_2_OVER_PI * (z + _GELU_C * z * z * z))
-        y = 0.5 * z * (1.0 + t)
-        g = None
-        if need_grad:
-            g = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * _GELU_C * z * z)
-    else:  # silu
-        s = torch.sigmoid(z)
-        y = z * s
-        g = s * (1.0 + z * (1.0 - s)) if need_grad else None
-    return y, g
-
-
-def _halves(z):
-    h = z.shape[-1] // 2
-    return z[..., :h], z[..., h:]
-
-
-def _z_ref(x, bias, cd):
-    z = x.to(cd)
-    return z + bias.to(cd) if bias is not None else z
-
-
-def _keep_ref(shape, dropout_p, seed, device, cd):
-    """(keep mask, scale) for the ref path; (None, None) without dropout."""
-    if dropout_p <= 0.0:
-        return None, None
-    keep = dropout_keep_mask(shape, dropout_p, seed, device)
-    return keep, torch.tensor(_keep_scale(dropout_p), dtype=cd, device=device)
-
-
-def bias_act_fwd_ref(
-    x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, *, dropout_p: float = 0.0, seed: int = 0
-) -> torch.Tensor:
-    """Pure-torch :func:`bias_act_fwd` (fp32 math, fp64 for fp64 x; same dropout mask)."""
-    _check_bias_act(x, bias, kind, dropout_p, seed)
-    base, gated = _BASE[kind]
-    cd = _compute_dtype(x)
-    z = _z_ref(x, bias, cd)
-    if gated:
-        a, b = _halves(z)
-        y = _act_and_grad_ref(a, base, False)[0] * b
-    else:
-        y = _act_and_grad_ref(z, base, False)[0]
-    keep, scale = _keep_ref(y.shape, dropout_p, seed, x.device, cd)
-    if keep is not None:
-        y = torch.where(keep, y * scale, torch.zeros((), dtype=cd, device=x.device))
-    return y.to(x.dtype)
-
-
-def bias_act_bwd_ref(
-    dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, need_dbias: bool,
-    *, dropout_p: float = 0.0, seed: int = 0,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Pure-torch :func:`bias_act_bwd` (fp32 math, fp64 for fp64 x; same dropout mask)."""
-    _check_bias_act(x, bias, kind, dropout_p, seed)
-    base, gated = _BASE[kind]
-    cd = _compute_dtype(x)
-    z = _z_ref(x, bias, cd)
-    g = dy.to(cd)
-    keep, scale = _keep_ref(g.shape, dropout_p, seed, x.device, cd)
-    if keep is not None:
-        g = torch.where(keep, g * scale, torch.zeros((), dtype=cd, device=x.device))
-    if gated:
-        a, b = _halves(z)
-        act_a, dact_a = _act_and_grad_ref(a, base, True)
-        dz = torch.cat([g * b * dact_a, g * act_a], dim=-1)
-    else:
-        dz = g * _act_and_grad_ref(z, base, True)[1]
-    dbias = None
-    if need_dbias and bias is not None:
-        dbias = (dz.reshape(-1, dz.shape[-1]).sum(0) if dz.shape[-1] else dz.new_zeros(0)).to(bias.dtype)
-    return dz.to(x.dtype), dbias
-
-
-def scaled_swiglu_fwd_ref(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Pure-torch :func:`scaled_swiglu_fwd` (fp32 math, fp64 for fp64 x)."""
-    _check_scales(x, scales)
-    cd = _compute_dtype(x)
-    a, b = _halves(x.to(cd))
-    return (torch.nn.functional.silu(a) * b * scales.to(cd)[..., None]).to(x.dtype)
-
-
-def scaled_swiglu_bwd_ref(
-    dy: torch.Tensor, x: torch.Tensor, scales: torch.Tensor, need_dscales: bool
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Pure-torch :func:`scaled_swiglu_bwd` (fp32 math, fp64 for fp64 x)."""
-    _check_scales(x, scales)
-    cd = _compute_dtype(x)
-    a, b = _halves(x.to(cd))
-    dyc = dy.to(cd)
-    act_a, dact_a = _act_and_grad_ref(a, "silu", True)
-    g = dyc * scales.to(cd)[..., None]
-    dx = torch.cat([g * b * dact_a, g * act_a], dim=-1).to(x.dtype)
-    dscales = (dyc * act_a * b).sum(-1).to(scales.dtype) if need_dscales else None
-    return dx, dscales
 
 
 __all__ = [

@@ -6,20 +6,32 @@ elements):
 * View the tensor the mask applies to as contiguous row-major ``[rows, cols]`` (cols = the
   last dim; a 0-dim tensor is ``[1, 1]``) and let ``C4 = ceil(cols / 4)``.
 * Element ``(r, c)`` uses the counter ``r * C4 + c // 4`` and takes component ``c % 4`` of
-  ``tl.rand4x(seed, counter)`` -- Triton's Philox 4x32 with 10 rounds, key ``(seed, 0)``,
+  ``tl.rand4x(seed, counter)`` -- Triton's Philox 4x32 with 10 rounds, key = the 64-bit
+  seed's 32-bit words ``(lo, hi)`` (``hi = 0`` for the seeds ``Dropout`` draws),
   counter ``(counter_lo, counter_hi, 0, 0)``, each of the 4 output words turned into a
   float32 in ``[0, 1)`` by ``uint_to_uniform_float``.
-* ``keep = u >= float32(p)``; kept values are scaled by ``float32(1 / (1 - p))``.
+* ``keep = u >= float32(p)``; ``y = x * m`` with ``m = float32(1 / (1 - p))`` where kept and
+  ``0`` where dropped: a multiplication, like ``torch.nn.functional.dropout``, so a NaN or
+  +-Inf input stays NaN even where dropped (``inf * 0``); ``p == 1`` multiplies by 0.
 * Counters are int32 when ``rows * C4 < 2**31``, else int64 (same values either way).
 
 Kernels get the mask of a ``[BLOCK_R, BLOCK_C]`` tile from :func:`_keep_tile` (the tile's
 first column must be a multiple of ``BLOCK_C``, a power of two ``>= 4``). The ``*_ref`` path
 re-implements that Philox stream in pure torch (int64 arithmetic with 32-bit masking,
 :func:`philox_rand4_ref`), so CPU references and GPU kernels draw bit-identical masks.
-Seeds are Python ints in ``[0, 2**31)``; ``p`` is a float in ``[0, 1]``.
+
+Seeds are **tensors**: one int64 element on the data's device (``Dropout`` draws it with
+``torch.randint`` from that device's default generator, so CUDA-graph replays draw new seeds and
+``torch.compile`` traces it). Kernels load it from a pointer (no host read); the ``*_ref`` twins
+use it with tensor ops only (no ``.item()``), so they trace under ``torch.compile`` too. The
+Philox key is the seed's 64 bits (words ``(lo, hi)``) on both paths, so any value gives the same
+mask on both; ``Dropout`` draws from ``[0, 2**31 - 1)``. The public functions also accept a
+Python int in ``[0, 2**31)`` (checked on the host). ``p`` is a float in ``[0, 1]``.
 
 Layout: Triton kernels, launcher + custom op, then the pure-torch reference twins.
 """
+
+from typing import Optional, Union
 
 import torch
 
@@ -31,7 +43,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _keep_tile(
-        seed,  # int32 Philox key
+        seed,  # Philox key: an integer scalar (int64 seeds use both 32-bit words)
         rows,  # [BLOCK_R] row indices (int32 or int64) in the [n_rows, n_cols] view
         col_block_start,  # first column of the tile: a multiple of BLOCK_C
         n_cols,  # cols of the view the mask applies to
@@ -67,7 +79,7 @@ if HAS_TRITON:
         stride_xr,
         p,  # fp32 drop probability
         scale,  # fp32 1 / (1 - p)
-        seed,  # int32 Philox key
+        SEED,  # [1] int64 Philox key, read on the device
         BLOCK_R: tl.constexpr,
         BLOCK_C: tl.constexpr,  # power of two >= 4
         OFF64: tl.constexpr,  # int64 RNG counters (n_rows * ceil(n_cols / 4) >= 2**31)
@@ -78,8 +90,8 @@ if HAS_TRITON:
         mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
         rows64 = rows.to(tl.int64)
         x = tl.load(X + rows64[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0)
-        keep = _keep_tile(seed, rows, col0, n_cols, p, BLOCK_R, BLOCK_C, OFF64)
-        y = tl.where(keep, x.to(tl.float32) * scale, 0.0)
+        keep = _keep_tile(tl.load(SEED), rows, col0, n_cols, p, BLOCK_R, BLOCK_C, OFF64)
+        y = x.to(tl.float32) * tl.where(keep, scale, 0.0)  # a product: NaN/Inf stay NaN where dropped
         tl.store(Y + rows64[:, None] * n_cols + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -97,11 +109,41 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x2
 
 
-def _check_p_seed(p: float, seed: int) -> None:
+def _check_p(p: float) -> None:
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")
-    if not 0 <= int(seed) < 2**31:
-        raise ValueError(f"dropout seed must be in [0, 2**31), got {seed}")
+
+
+Seed = Union[torch.Tensor, int]  # an integer tensor with one element (canonical), or a Python int
+
+
+def _check_int_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
+        raise ValueError(
+            f"dropout seed must be an int64 tensor with one element or an int in [0, 2**31), got {seed}"
+        )
+
+
+def seed_tensor(seed: Seed, device) -> torch.Tensor:
+    """``seed`` (an integer tensor with one element, or a Python int in ``[0, 2**31)``) as the
+    int64 tensor of shape ``[1]`` on ``device`` that kernels read. Only metadata is checked (no
+    host sync); a tensor already in that form is returned as is."""
+    if isinstance(seed, torch.Tensor):
+        if seed.numel() != 1 or seed.dtype.is_floating_point or seed.dtype.is_complex or seed.dtype == torch.bool:
+            raise ValueError(f"dropout seed must be an integer tensor with one element, got {seed.dtype} "
+                             f"{list(seed.shape)}")
+        return seed.reshape(1).to(device=device, dtype=torch.int64)
+    _check_int_seed(seed)
+    return torch.tensor([seed], dtype=torch.int64, device=device)
+
+
+def _check_p_seed(p: float, seed: Optional[Seed]) -> None:
+    """p in [0, 1]; a seed is needed when p > 0 (an int seed is range-checked on the host)."""
+    _check_p(p)
+    if p > 0.0 and seed is None:
+        raise ValueError(f"dropout with p={p} > 0 needs a seed (an int64 tensor with one element)")
+    if seed is not None and not isinstance(seed, torch.Tensor):
+        _check_int_seed(seed)
 
 
 def _keep_scale(p: float) -> float:
@@ -131,8 +173,9 @@ def _elementwise_config(n_rows: int, n_cols: int) -> tuple[int, int, int]:
     return block_r, block_c, num_warps
 
 
-def _dropout_launch(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    """Triton dropout of ``x`` (any shape/strides); returns a contiguous tensor of x's shape."""
+def _dropout_launch(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+    """Triton dropout of ``x`` (any shape/strides); returns a contiguous tensor of x's shape.
+    seed: [1] int64 on x's device (read by the kernel)."""
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return y
@@ -141,53 +184,57 @@ def _dropout_launch(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     block_r, block_c, num_warps = _elementwise_config(n_rows, n_cols)
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
     _dropout_kernel[grid](
-        x2, y, n_rows, n_cols, x2.stride(0), float(p), _keep_scale(p), int(seed),
+        x2, y, n_rows, n_cols, x2.stride(0), float(p), _keep_scale(p), seed,
         BLOCK_R=block_r, BLOCK_C=block_c, OFF64=_off64(n_rows, n_cols), num_warps=num_warps,
     )
     return y
 
 
 @torch.library.custom_op("fusible_ops::dropout", mutates_args=())
-def _dropout_op(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+def _dropout_op(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     """Custom-op wrapper of the Triton dropout (forward and backward share it)."""
     return _dropout_launch(x, p, seed)
 
 
 @_dropout_op.register_fake
-def _dropout_op_fake(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+def _dropout_op_fake(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 # ----------------------------------------------------------------------------- public API
 
 
-def dropout_fwd(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    """Dropout with a counter-based mask: ``y = x * keep / (1 - p)``.
+def dropout_fwd(x: torch.Tensor, p: float, seed: Optional[Seed] = None) -> torch.Tensor:
+    """Dropout with a counter-based mask: ``y = x * (keep / (1 - p))``.
 
     x: any shape, strides and floating dtype. Returns y with x's shape and dtype
     (contiguous). ``keep = dropout_keep_mask(x.shape, p, seed, x.device)``; the product is
-    computed in fp32 (fp64 for fp64 inputs on the ref path). ``p == 0`` returns ``x``
-    itself (no copy); ``p == 1`` returns zeros. seed: int in ``[0, 2**31)``.
+    computed in fp32 (fp64 for fp64 inputs on the ref path); dropped NaN/Inf inputs give NaN,
+    as in ``torch.nn.functional.dropout``. ``p == 0`` returns ``x`` itself (no copy, no seed
+    needed); ``p == 1`` multiplies by zero. seed: an int64 tensor with one element (see the
+    module docstring; a Python int in ``[0, 2**31)`` is accepted too).
     """
     _check_p_seed(p, seed)
     if p == 0.0:
         return x
+    seed = seed_tensor(seed, x.device)
     if use_triton(x):
-        return _dropout_op(x, float(p), int(seed))
+        return _dropout_op(x, float(p), seed)
     return dropout_fwd_ref(x, p, seed)
 
 
-def dropout_bwd(dy: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    """Gradient of :func:`dropout_fwd`: ``dx = dy * keep / (1 - p)``, mask regenerated.
+def dropout_bwd(dy: torch.Tensor, p: float, seed: Optional[Seed] = None) -> torch.Tensor:
+    """Gradient of :func:`dropout_fwd`: ``dx = dy * (keep / (1 - p))``, mask regenerated.
 
     dy: the output gradient (shape of the forward's x, any strides). Returns dx with dy's
-    shape and dtype. ``p == 0`` returns ``dy`` itself; ``p == 1`` returns zeros.
+    shape and dtype. ``p == 0`` returns ``dy`` itself; ``p == 1`` multiplies by zero.
     """
     _check_p_seed(p, seed)
     if p == 0.0:
         return dy
+    seed = seed_tensor(seed, dy.device)
     if use_triton(dy):
-        return _dropout_op(dy, float(p), int(seed))
+        return _dropout_op(dy, float(p), seed)
     return dropout_bwd_ref(dy, p, seed)
 
 
@@ -203,28 +250,46 @@ _CHUNK = 1 << 21  # counters per chunk in the torch Philox (bounds int64 tempora
 
 
 def _mulhilo32(a: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo) 32-bit words of the 64-bit product ``a * c`` (a: uint32 int, c: uint32 in int64)."""
-    t_lo = a * (c & 0xFFFF)  # < 2**48
-    t_hi = a * (c >> 16)  # < 2**48
-    hi = (t_hi + (t_lo >> 16)) >> 16
-    lo = (((t_hi & 0xFFFF) << 16) + t_lo) & _M32
-    return hi, lo
+    """(hi, lo) 32-bit words of the 64-bit product ``a * c`` (a: uint32 int, c: uint32 in int64).
+
+    One int64 product whose two's-complement wrap-around keeps its low 64 bits exact (what
+    torch's CPU/CUDA kernels and inductor's generated code compute; the tests check the words
+    bit-exactly against ``tl.rand4x``, eager and compiled). Reading ``c`` once matters under
+    ``torch.compile``: inductor inlines pointwise chains into their consumers and only realizes
+    an intermediate once it reads enough buffers, re-expanding every reuse meanwhile. With a
+    constant seed and ``arange`` counters nothing in the 10 rounds reads a buffer, so a 16-bit
+    split (each word read ~4 times per round) cost ~4**10 re-expansions per node and compiling a
+    dropout block never finished; one product per word keeps that small (the tensor seed that
+    ``Dropout`` passes is a buffer read, which lets inductor realize the rounds anyway).
+    """
+    prod = a * c
+    return (prod >> 32) & _M32, prod & _M32
 
 
-def philox_rand4_ref(counters: torch.Tensor, seed: int) -> tuple[torch.Tensor, ...]:
+def _key_words(seed: Seed, device):
+    """(k0, k1): the low and high 32-bit words of the 64-bit seed; ints for an int seed, 0-dim
+    int64 tensors on ``device`` for a tensor seed (tensor ops only: traceable, no host read)."""
+    if isinstance(seed, torch.Tensor):
+        s = seed.reshape(()).to(device=device, dtype=torch.int64)
+        return s & _M32, (s >> 32) & _M32
+    return int(seed) & _M32, (int(seed) >> 32) & _M32
+
+
+def philox_rand4_ref(counters: torch.Tensor, seed: Seed) -> tuple[torch.Tensor, ...]:
     """Pure-torch twin of ``tl.rand4x(seed, counters)``: 4 float32 tensors of uniforms in ``[0, 1)``.
 
     counters: integer tensor of non-negative counters (< 2**63), any shape and device.
-    Returns ``(u0, u1, u2, u3)``, each of counters' shape: the 4 output words of Triton's
-    Philox 4x32-10 (key ``(seed, 0)``, counter ``(lo, hi, 0, 0)``) through
-    ``uint_to_uniform_float``; bit-identical to Triton for seeds in ``[0, 2**31)``.
+    seed: an integer tensor with one element (any device; used with tensor ops only, so this
+    traces under ``torch.compile``) or a Python int. Returns ``(u0, u1, u2, u3)``, each of
+    counters' shape: the 4 output words of Triton's Philox 4x32-10 (key ``(seed lo, seed hi)``,
+    counter ``(lo, hi, 0, 0)``) through ``uint_to_uniform_float``; bit-identical to Triton.
     """
     off = counters.to(torch.int64)
     c0 = off & _M32
     c1 = (off >> 32) & _M32
     c2 = torch.zeros_like(off)
     c3 = torch.zeros_like(off)
-    k0, k1 = int(seed) & _M32, (int(seed) >> 32) & _M32
+    k0, k1 = _key_words(seed, off.device)
     for _ in range(10):
         hi_b, lo_b = _mulhilo32(_PHILOX_ROUND_B, c2)
         hi_a, lo_a = _mulhilo32(_PHILOX_ROUND_A, c0)
@@ -232,15 +297,11 @@ def philox_rand4_ref(counters: torch.Tensor, seed: int) -> tuple[torch.Tensor, .
         k0 = (k0 + _PHILOX_KEY_A) & _M32
         k1 = (k1 + _PHILOX_KEY_B) & _M32
     scale = torch.tensor(_UINT_TO_FLOAT_SCALE, dtype=torch.float32, device=off.device)
-    out = []
-    for c in (c0, c1, c2, c3):
-        x = torch.where(c >= 2**31, c - 2**32, c)  # bitcast uint32 -> int32
-        x = torch.where(x < 0, ~x, x)  # in [0, 2**31)
-        out.append(x.to(torch.float32) * scale)
-    return tuple(out)
+    # uint_to_uniform_float: bitcast uint32 -> int32, then x < 0 -> ~x; i.e. c ^ M32 for c >= 2**31
+    return tuple(torch.where(c >= 2**31, c ^ _M32, c).to(torch.float32) * scale for c in (c0, c1, c2, c3))
 
 
-def philox_rand_ref(offsets: torch.Tensor, seed: int) -> torch.Tensor:
+def philox_rand_ref(offsets: torch.Tensor, seed: Seed) -> torch.Tensor:
     """Pure-torch twin of ``tl.rand(seed, offsets)`` (the first word of :func:`philox_rand4_ref`).
 
     offsets: integer tensor of non-negative counters (< 2**63), any shape and device.
@@ -253,22 +314,29 @@ def _rows_cols(shape) -> tuple[int, int]:
     """(rows, cols) of the contiguous ``[rows, cols]`` view the mask contract uses."""
     if len(shape) == 0:
         return 1, 1
-    cols = int(shape[-1])
+    cols = shape[-1]
     numel = 1
     for s in shape:
-        numel *= int(s)
+        numel *= s
     return (numel // cols if cols else 0), cols
 
 
-def dropout_keep_mask(shape, p: float, seed: int, device) -> torch.Tensor:
+def _keep4(start: int, end: int, p32: torch.Tensor, seed: Seed, device) -> torch.Tensor:
+    """[end - start, 4] keep bits of counters start..end-1 (component k in column k)."""
+    cnt = torch.arange(start, end, dtype=torch.int64, device=device)
+    return torch.stack(philox_rand4_ref(cnt, seed), -1) >= p32
+
+
+def dropout_keep_mask(shape, p: float, seed: Optional[Seed], device) -> torch.Tensor:
     """The keep mask (bool tensor of ``shape`` on ``device``) used by every dropout kernel.
 
     With ``[rows, cols]`` the contiguous view of ``shape`` and ``C4 = ceil(cols / 4)``:
     ``keep[r, c] = philox_rand4_ref(r * C4 + c // 4, seed)[c % 4] >= float32(p)``.
-    All True for ``p == 0``, all False for ``p == 1``.
+    All True for ``p == 0``, all False for ``p == 1``. seed: as for :func:`dropout_fwd` (a
+    tensor seed is read with tensor ops only: no host sync, traceable by ``torch.compile``).
     """
     _check_p_seed(p, seed)
-    shape = tuple(int(s) for s in shape)
+    shape = tuple(shape)
     if p == 0.0:
         return torch.ones(shape, dtype=torch.bool, device=device)
     if p >= 1.0:
@@ -276,25 +344,26 @@ def dropout_keep_mask(shape, p: float, seed: int, device) -> torch.Tensor:
     rows, cols = _rows_cols(shape)
     c4 = (cols + 3) // 4
     n_cnt = rows * c4
-    keep4 = torch.empty((n_cnt, 4), dtype=torch.bool, device=device)  # [counter, component]
     p32 = torch.tensor(p, dtype=torch.float32, device=device)
-    for start in range(0, n_cnt, _CHUNK):
-        cnt = torch.arange(start, min(start + _CHUNK, n_cnt), dtype=torch.int64, device=device)
-        u = philox_rand4_ref(cnt, seed)
-        for k in range(4):
-            keep4[start : start + cnt.numel(), k] = u[k] >= p32
-    return keep4.reshape(rows, 4 * c4)[:, :cols].contiguous().reshape(shape)
+    if torch.compiler.is_compiling() or n_cnt <= _CHUNK:  # one pass (a traced graph has no loop)
+        keep4 = _keep4(0, n_cnt, p32, seed, device)
+    else:  # eager and large: chunks bound the int64 temporaries
+        keep4 = torch.empty((n_cnt, 4), dtype=torch.bool, device=device)  # [counter, component]
+        for start in range(0, n_cnt, _CHUNK):
+            end = min(start + _CHUNK, n_cnt)
+            keep4[start:end] = _keep4(start, end, p32, seed, device)
+    return keep4.reshape(rows, 4 * c4)[:, :cols].reshape(shape)
 
 
-def _apply_mask_ref(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+def _apply_mask_ref(x: torch.Tensor, p: float, seed: Seed) -> torch.Tensor:
     cd = torch.float64 if x.dtype == torch.float64 else torch.float32
     keep = dropout_keep_mask(x.shape, p, seed, x.device)
-    scale = torch.tensor(_keep_scale(p), dtype=cd, device=x.device)
-    y = torch.where(keep, x.to(cd) * scale, torch.zeros((), dtype=cd, device=x.device))
-    return y.to(x.dtype)
+    m = torch.where(keep, torch.tensor(_keep_scale(p), dtype=cd, device=x.device),
+                    torch.zeros((), dtype=cd, device=x.device))
+    return (x.to(cd) * m).to(x.dtype)  # a product, as in the kernel: NaN/Inf stay NaN where dropped
 
 
-def dropout_fwd_ref(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+def dropout_fwd_ref(x: torch.Tensor, p: float, seed: Optional[Seed] = None) -> torch.Tensor:
     """Pure-torch :func:`dropout_fwd` (same mask, fp32 math; fp64 for fp64 inputs)."""
     _check_p_seed(p, seed)
     if p == 0.0:
@@ -302,7 +371,7 @@ def dropout_fwd_ref(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     return _apply_mask_ref(x, p, seed)
 
 
-def dropout_bwd_ref(dy: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+def dropout_bwd_ref(dy: torch.Tensor, p: float, seed: Optional[Seed] = None) -> torch.Tensor:
     """Pure-torch :func:`dropout_bwd` (same mask, fp32 math; fp64 for fp64 inputs)."""
     _check_p_seed(p, seed)
     if p == 0.0:
@@ -318,4 +387,5 @@ __all__ = [
     "dropout_keep_mask",
     "philox_rand4_ref",
     "philox_rand_ref",
+    "seed_tensor",
 ]

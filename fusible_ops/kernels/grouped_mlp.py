@@ -36,7 +36,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _act(a, KIND: tl.constexpr):
-        """(act(a), act'(a)) in fp32; KIND 0 silu, 1 erf-gelu, 2 tanh-gelu (unused act' is DCE'd)."""
+        """(act(a), act'(a)) in fp32; KIND 0 silu, 1 erf-gelu, 2 tanh-gelu (unused act' is DCE'd).
+        NaN/Inf as torch (table in kernels.activation_ref): each formula saturates at +-Inf (tanh
+        via exp, no inf - inf) and propagates NaN; gradients are applied as products."""
         if KIND == 0:
             s = 1.0 / (1.0 + tl.exp(-a))
             act = a * s
@@ -364,7 +366,8 @@ def grouped_dglu(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Tensor,
 
 # ----------------------------------------------------------------------------- references
 def _act_ref(a: torch.Tensor, kind: str):
-    """(act(a), act'(a)) with the same formulas as the kernel (a in fp32 or fp64)."""
+    """(act(a), act'(a)) with the same formulas as the kernel (a in fp32 or fp64); NaN/Inf as
+    torch's silu / gelu (tests/test_nan_inf.py)."""
     if _KINDS[kind] == 0:
         s = torch.sigmoid(a)
         return a * s, s * (1 + a * (1 - s))
@@ -394,11 +397,7 @@ def grouped_dglu_ref(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Ten
     """Pure-torch twin of :func:`grouped_dglu` (g kept in fp32 like the kernel; fp64 for fp64)."""
     _kind(kind, scales)
     acc = _gg._acc_dtype(dy2.dtype)
-    F = w2.shape[2]
-    g = torch.zeros((dy2.shape[0], F), dtype=acc, device=dy2.device)
-    for gi, (s, e) in enumerate(_gg._bounds(split_sizes)):
-        if e > s:
-            g[s:e] = dy2[s:e].to(acc) @ w2[gi].to(acc)
+    g = _gg.grouped_dgrad_acc_ref(dy2, w2, split_sizes)
     a, b = h.to(acc).chunk(2, dim=-1)
     act, dact = _act_ref(a, kind)
     glu = act * b

@@ -77,12 +77,20 @@ class ConstantScale(BasicOperation):
 
 
 class Dropout(BasicOperation):
-    """Dropout with probability ``p`` in training mode (identity in eval mode).
+    """Dropout with probability ``p`` in training mode (identity in eval mode or with ``p == 0``).
 
-    The mask comes from a counter-based RNG (Philox, keyed by a seed drawn from torch's CPU
-    generator at each forward, counter = element index), so backward regenerates it instead of
-    storing it, and CPU and GPU draw the same mask for the same seed. Under CUDA-graph capture the
-    seed is drawn once at capture time, so replays reuse that mask.
+    The mask comes from a counter-based RNG (Philox keyed by a seed, counter = element index), so
+    backward regenerates it instead of storing it. The seed is a **tensor**: one int64 element
+    drawn at each forward with ``torch.randint`` on the input's device from that device's default
+    generator (no host sync). So under CUDA-graph capture every replay draws a new seed and a new
+    mask (the generator's offset advances on the device), and ``torch.compile`` traces the draw
+    (no data-dependent Python value). The same seed value gives the same mask on CPU and GPU.
+    ``y = x * keep / (1 - p)``: a product, as in ``torch.nn.functional.dropout`` (a dropped
+    NaN/Inf stays NaN).
+
+    Fused ops use one protocol for the seed (never ctx attributes directly): :meth:`start` in
+    forward (decides whether dropout is active, draws the seed, saves it in ctx) and
+    :meth:`seed_of` in backward.
     """
 
     def __init__(self, p: float = 0.5) -> None:
@@ -105,26 +113,59 @@ class Dropout(BasicOperation):
     def plan_key(self) -> tuple:
         return (self.p,)
 
-    def draw_seed(self) -> int:
-        """A fresh seed from torch's (CPU) default generator; no device sync."""
-        return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64))
+    def draw_seed(self, device) -> torch.Tensor:
+        """A fresh seed: ``[1]`` int64 in ``[0, 2**31 - 1)`` on ``device``, drawn from that
+        device's default generator (no host sync; CUDA-graph safe; traceable)."""
+        return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
+
+    def start(self, ctx, x: torch.Tensor) -> torch.Tensor | None:
+        """Forward half of the seed protocol: sets ``ctx.dropout_active``; when active, draws a
+        seed on ``x``'s device, saves it with ``ctx.save_for_backward`` (so it travels through
+        autograd's saved tensors) and returns it; else returns None (no seed drawn). The ctx must
+        be this op's own ctx (it saves nothing else)."""
+        ctx.dropout_active = self.active
+        if not ctx.dropout_active:
+            return None
+        seed = self.draw_seed(x.device)
+        ctx.save_for_backward(seed)
+        return seed
+
+    def seed_of(self, ctx) -> torch.Tensor | None:
+        """Backward half: the seed :meth:`start` saved in ``ctx``, or None when dropout was
+        inactive in that forward."""
+        if not ctx.dropout_active:
+            return None
+        return ctx.saved_tensors[0]
 
     def op_forward(self, ctx, x, **kwargs):
         check_input(self, x)
-        ctx.dropout_active = self.active
-        if not self.active:
+        seed = self.start(ctx, x)
+        if seed is None:
             return x
         from ..kernels.dropout import dropout_fwd
 
-        ctx.seed = self.draw_seed()
-        return dropout_fwd(x, self.p, ctx.seed)
+        return dropout_fwd(x, self.p, seed)
 
     def op_backward(self, ctx, dy):
-        if not ctx.dropout_active:
+        seed = self.seed_of(ctx)
+        if seed is None:
             return dy, ()
         from ..kernels.dropout import dropout_bwd
 
-        return dropout_bwd(dy, self.p, ctx.seed), ()
+        return dropout_bwd(dy, self.p, seed), ()
+
+    def reference_forward(self, x):
+        """Plain differentiable PyTorch: ``x * keep * (1 / (1 - p))`` with the reference mask. In
+        training with ``p > 0`` it draws its seed exactly as the op's forward does (same
+        generator, same call), so after the same ``torch.manual_seed`` it applies the same mask;
+        otherwise returns ``x``."""
+        if not self.active:
+            return x
+        from ..kernels.dropout import _keep_scale, dropout_keep_mask
+
+        seed = self.draw_seed(x.device)
+        keep = dropout_keep_mask(x.shape, self.p, seed, x.device)
+        return x * keep.to(x.dtype) * _keep_scale(self.p)
 
 
 class Reshape(BasicOperation):

@@ -16,6 +16,11 @@ _GATE_OF = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh", "reglu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
+def S(seed: int, device="cpu") -> torch.Tensor:
+    """A dropout seed as the kernels take it: an int64 tensor with one element."""
+    return torch.tensor([seed], dtype=torch.int64, device=device)
+
+
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiny tiles / few programs so that small shapes exercise multi-program grids and row loops."""
@@ -49,9 +54,8 @@ def _bias_act64(dy, x, bias, kind, p, seed):
     z = x.double().detach().clone().requires_grad_(True)
     zb = z + bias.double() if bias is not None else z
     y = _act64(zb, kind)
-    if p > 0:
-        keep = D.dropout_keep_mask(y.shape, p, seed, x.device)
-        y = torch.where(keep, y / (1.0 - p), torch.zeros((), dtype=torch.float64, device=x.device))
+    if p > 0:  # dropout multiplies by keep / (1 - p), like torch's
+        y = y * D.dropout_keep_mask(y.shape, p, S(seed), x.device).double() / (1.0 - p)
     (dz,) = torch.autograd.grad(y, z, dy.double())
     dbias = None
     if bias is not None:
@@ -60,9 +64,10 @@ def _bias_act64(dy, x, bias, kind, p, seed):
 
 
 def _run_bias_act(dy, x, bias, kind, p, seed, mode):
+    s = S(seed, x.device) if p > 0 else None  # no seed without dropout
     with K.use(mode):
-        y = A.bias_act_fwd(x, bias, kind, dropout_p=p, seed=seed)
-        dz, dbias = A.bias_act_bwd(dy, x, bias, kind, bias is not None, dropout_p=p, seed=seed)
+        y = A.bias_act_fwd(x, bias, kind, dropout_p=p, seed=s)
+        dz, dbias = A.bias_act_bwd(dy, x, bias, kind, bias is not None, dropout_p=p, seed=s)
     return y, dz, dbias
 
 
@@ -121,8 +126,8 @@ def test_ref_float64_inputs(kind):
     bias = torch.randn(12, dtype=torch.float64)
     dy = torch.randn(4, 3, 6 if kind in A.GATED else 12, dtype=torch.float64)
     y64, dz64, db64 = _bias_act64(dy, x, bias, kind, 0.4, 77)
-    y = A.bias_act_fwd_ref(x, bias, kind, dropout_p=0.4, seed=77)
-    dz, db = A.bias_act_bwd_ref(dy, x, bias, kind, True, dropout_p=0.4, seed=77)
+    y = A.bias_act_fwd_ref(x, bias, kind, dropout_p=0.4, seed=S(77))
+    dz, db = A.bias_act_bwd_ref(dy, x, bias, kind, True, dropout_p=0.4, seed=S(77))
     assert y.dtype == dz.dtype == db.dtype == torch.float64
     assert_close(y, y64)
     assert_close(dz, dz64)
@@ -143,14 +148,15 @@ def test_dropout_mask_is_mask_of_y_fwd_and_bwd(off64, monkeypatch):
         xg = torch.cat([x, x], -1)
         ones = torch.ones(rows, cols)
         with K.use("triton"):
-            y = A.bias_act_fwd(x, None, "relu", dropout_p=p, seed=seed)
-            yg = A.bias_act_fwd(xg, None, "reglu", dropout_p=p, seed=seed)
-            dz, _ = A.bias_act_bwd(ones, x, None, "relu", False, dropout_p=p, seed=seed)
-            dzg, _ = A.bias_act_bwd(ones, xg, None, "reglu", False, dropout_p=p, seed=seed)
-        keep = D.dropout_keep_mask((rows, cols), p, seed, "cpu")
+            y = A.bias_act_fwd(x, None, "relu", dropout_p=p, seed=S(seed))
+            yg = A.bias_act_fwd(xg, None, "reglu", dropout_p=p, seed=S(seed))
+            dz, _ = A.bias_act_bwd(ones, x, None, "relu", False, dropout_p=p, seed=S(seed))
+            dzg, _ = A.bias_act_bwd(ones, xg, None, "reglu", False, dropout_p=p, seed=S(seed))
+        keep = D.dropout_keep_mask((rows, cols), p, S(seed), "cpu")
+        assert torch.equal(keep, D.dropout_keep_mask((rows, cols), p, seed, "cpu"))  # int seed: same key
         for t in (y, yg, dz, dzg[:, :cols], dzg[:, cols:]):
             assert torch.equal(t != 0, keep), (rows, cols)
-        y_ref = A.bias_act_fwd_ref(xg, None, "reglu", dropout_p=p, seed=seed)
+        y_ref = A.bias_act_fwd_ref(xg, None, "reglu", dropout_p=p, seed=S(seed))
         assert torch.equal(y_ref != 0, keep)
 
 
@@ -166,6 +172,10 @@ def test_need_dbias_false_and_bad_args():
         A.bias_act_fwd(torch.randn(3, 7), None, "swiglu")
     with pytest.raises(ValueError):
         A.bias_act_fwd(x, torch.randn(7), "relu")
+    with pytest.raises(ValueError, match="needs a seed"):
+        A.bias_act_fwd(x, bias, "relu", dropout_p=0.5)
+    with pytest.raises(ValueError, match="one element"):
+        A.bias_act_fwd(x, bias, "relu", dropout_p=0.5, seed=torch.tensor([1, 2]))
 
 
 def _scaled64(dy, x, scales):
@@ -208,11 +218,11 @@ def test_scaled_swiglu_matches_float64(dtype, small_tiles):
 
 def test_compile_fullgraph_cpu_aot_eager():
     """Custom ops trace under torch.compile (fake impls); aot_eager avoids needing a C++ compiler."""
-    x, bias, s = torch.randn(5, 12), torch.randn(12), torch.rand(5)
+    x, bias, s, seed = torch.randn(5, 12), torch.randn(12), torch.rand(5), S(3)
 
     def f(x, bias, s):
-        y = A.bias_act_fwd(x, bias, "geglu", dropout_p=0.1, seed=3)
-        dz, db = A.bias_act_bwd(y, x, bias, "geglu", True, dropout_p=0.1, seed=3)
+        y = A.bias_act_fwd(x, bias, "geglu", dropout_p=0.1, seed=seed)
+        dz, db = A.bias_act_bwd(y, x, bias, "geglu", True, dropout_p=0.1, seed=seed)
         y2 = A.scaled_swiglu_fwd(x, s)
         dx, ds = A.scaled_swiglu_bwd(y2, x, s, True)
         return y, dz, db, y2, dx, ds
@@ -260,9 +270,9 @@ def test_gpu_dropout_mask_odd_widths_both_counter_widths(monkeypatch):
             x = torch.rand(rows, cols, device="cuda") + 1.0
             xg = torch.cat([x, x], -1).to(torch.bfloat16)
             ones = torch.ones(rows, cols, device="cuda", dtype=torch.bfloat16)
-            yg = A.bias_act_fwd(xg, None, "reglu", dropout_p=0.3, seed=i)
-            dzg, _ = A.bias_act_bwd(ones, xg, None, "reglu", False, dropout_p=0.3, seed=i)
-            keep = D.dropout_keep_mask((rows, cols), 0.3, i, "cpu")
+            yg = A.bias_act_fwd(xg, None, "reglu", dropout_p=0.3, seed=S(i, "cuda"))
+            dzg, _ = A.bias_act_bwd(ones, xg, None, "reglu", False, dropout_p=0.3, seed=S(i, "cuda"))
+            keep = D.dropout_keep_mask((rows, cols), 0.3, S(i), "cpu")
             for t in (yg, dzg[:, :cols], dzg[:, cols:]):
                 assert torch.equal((t != 0).cpu(), keep), (rows, cols, off64)
 
@@ -272,10 +282,11 @@ def test_gpu_compile_fullgraph():
     x = torch.randn(257, 1030, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(1030, device="cuda", dtype=torch.float32)
     s = torch.rand(257, device="cuda")
+    seed = S(3, "cuda")
 
     def f(x, bias, s):
-        y = A.bias_act_fwd(x, bias, "swiglu", dropout_p=0.1, seed=3)
-        dz, db = A.bias_act_bwd(y, x, bias, "swiglu", True, dropout_p=0.1, seed=3)
+        y = A.bias_act_fwd(x, bias, "swiglu", dropout_p=0.1, seed=seed)
+        dz, db = A.bias_act_bwd(y, x, bias, "swiglu", True, dropout_p=0.1, seed=seed)
         y2 = A.scaled_swiglu_fwd(x, s)
         dx, ds = A.scaled_swiglu_bwd(y2, x, s, True)
         return y, dz, db, y2, dx, ds

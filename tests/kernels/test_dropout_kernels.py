@@ -11,6 +11,11 @@ triton = pytest.importorskip("triton")
 tl = triton.language
 
 
+def S(seed: int, device="cpu") -> torch.Tensor:
+    """A dropout seed as the kernels take it: an int64 tensor with one element."""
+    return torch.tensor([seed], dtype=torch.int64, device=device)
+
+
 @triton.jit
 def _rand_kernel(OFFS, OUT, n, seed, BLOCK: tl.constexpr):
     # OFFS [n] int32 or int64 counters; OUT [n] fp32
@@ -27,6 +32,19 @@ def _rand4_kernel(OFFS, OUT, n, seed, BLOCK: tl.constexpr):
     m = i < n
     offs = tl.load(OFFS + i, mask=m, other=0)
     u0, u1, u2, u3 = tl.rand4x(seed, offs)
+    tl.store(OUT + i, u0, mask=m)
+    tl.store(OUT + n + i, u1, mask=m)
+    tl.store(OUT + 2 * n + i, u2, mask=m)
+    tl.store(OUT + 3 * n + i, u3, mask=m)
+
+
+@triton.jit
+def _rand4_seed_ptr_kernel(OFFS, OUT, n, SEED, BLOCK: tl.constexpr):
+    # as _rand4_kernel, with the seed read from a pointer ([1] int64), like the dropout kernels
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    offs = tl.load(OFFS + i, mask=m, other=0)
+    u0, u1, u2, u3 = tl.rand4x(tl.load(SEED), offs)
     tl.store(OUT + i, u0, mask=m)
     tl.store(OUT + n + i, u1, mask=m)
     tl.store(OUT + 2 * n + i, u2, mask=m)
@@ -88,8 +106,8 @@ def _make(shape, dtype, layout, device="cpu", seed=0):
 
 
 def _expected(x, p, seed):
-    keep = D.dropout_keep_mask(x.shape, p, seed, x.device)
-    return torch.where(keep, x.double() / (1.0 - p), torch.zeros((), dtype=torch.float64, device=x.device))
+    keep = D.dropout_keep_mask(x.shape, p, S(seed), x.device)
+    return x.double() * keep.double() / (1.0 - p)  # a product, like torch's dropout
 
 
 def _device_ctx(device):
@@ -100,10 +118,10 @@ def _check_fwd_bwd(shape, dtype, layout, p, seed, device="cpu"):
     x = _make(shape, dtype, layout, device, seed=seed)
     dy = _make(shape, dtype, layout, device, seed=seed + 1)
     with _device_ctx(device):
-        y = D.dropout_fwd(x, p, seed)
-        dx = D.dropout_bwd(dy, p, seed)
-    y_ref = D.dropout_fwd_ref(x, p, seed)
-    dx_ref = D.dropout_bwd_ref(dy, p, seed)
+        y = D.dropout_fwd(x, p, S(seed, device))
+        dx = D.dropout_bwd(dy, p, S(seed, device))
+    y_ref = D.dropout_fwd_ref(x, p, S(seed, device))
+    dx_ref = D.dropout_bwd_ref(dy, p, S(seed, device))
     for out in (y, dx, y_ref, dx_ref):
         assert out.shape == x.shape and out.dtype == dtype
     assert_close(y, _expected(x, p, seed), msg="triton fwd")
@@ -111,7 +129,7 @@ def _check_fwd_bwd(shape, dtype, layout, p, seed, device="cpu"):
     assert_close(dx, _expected(dy, p, seed), msg="triton bwd")
     assert_close(dx_ref, _expected(dy, p, seed), msg="ref bwd")
     # exact mask equality (inputs are nonzero almost surely; compare where they are)
-    keep = D.dropout_keep_mask(shape, p, seed, device)
+    keep = D.dropout_keep_mask(shape, p, S(seed, device), device)
     nz = x != 0
     assert torch.equal((y != 0) & nz, keep & nz)
     assert torch.equal((y_ref != 0) & nz, keep & nz)
@@ -151,6 +169,21 @@ def test_philox_rand4_ref_bit_identical_to_tl_rand4x(offs_dtype):
             assert ref[k].dtype == torch.float32 and ref[k].shape == offs.shape
             assert torch.equal(out[k].view(torch.int32), ref[k].view(torch.int32)), f"seed={seed} word={k}"
         assert torch.equal(D.philox_rand_ref(offs, seed), ref[0])
+        for k, u in enumerate(D.philox_rand4_ref(offs, S(seed))):  # a tensor seed: the same words
+            assert torch.equal(u.view(torch.int32), ref[k].view(torch.int32))
+
+
+def test_philox_ref_int64_seed_from_pointer_bit_identical():
+    """Kernels read the seed as int64 from memory: the key is its (lo, hi) words, and the ref
+    matches for any int64 value (beyond 2**31 and negative too), so no range check is needed."""
+    offs = torch.cat([torch.arange(0, 70), torch.tensor([2**32 + 5, 2**40 - 1])])
+    n = offs.numel()
+    for seed in (0, 77, 2**31 - 1, 2**31, 2**40 + 7, -5):
+        out = torch.empty(4, n, dtype=torch.float32)
+        with K.use("triton"):
+            _rand4_seed_ptr_kernel[(triton.cdiv(n, 64),)](offs, out, n, S(seed), BLOCK=64)
+        for k, ref in enumerate(D.philox_rand4_ref(offs, S(seed))):
+            assert torch.equal(out[k].view(torch.int32), ref.view(torch.int32)), (seed, k)
 
 
 def test_keep_tile_int64_counters_with_high_word():
@@ -180,9 +213,9 @@ def test_triton_mask_bit_exact_odd_shapes(tiles, counters, monkeypatch):
         seed, p = 500 + i, (0.3, 0.5, 0.8)[i % 3]
         x = torch.rand(shape) + 0.5  # nonzero: y != 0 exactly where kept
         with K.use("triton"):
-            y = D.dropout_fwd(x, p, seed)
-            dx = D.dropout_bwd(torch.ones(shape), p, seed)
-        keep = D.dropout_keep_mask(shape, p, seed, "cpu")
+            y = D.dropout_fwd(x, p, S(seed))
+            dx = D.dropout_bwd(torch.ones(shape), p, S(seed))
+        keep = D.dropout_keep_mask(shape, p, S(seed), "cpu")
         assert torch.equal(keep, _mask_formula(shape, p, seed)), shape
         assert torch.equal(y != 0, keep), shape
         assert torch.equal(dx != 0, keep), shape
@@ -203,31 +236,31 @@ def test_dropout_default_tiles_and_scalar():
 
 def test_mask_contract_rows_cols_view():
     """keep[r, c] = rand4x(r * ceil(cols / 4) + c // 4)[c % 4] >= p on the [rows, cols] view."""
-    keep = D.dropout_keep_mask((6, 10), 0.4, 9, "cpu")
+    keep = D.dropout_keep_mask((6, 10), 0.4, S(9), "cpu")
     assert torch.equal(keep, _mask_formula((6, 10), 0.4, 9))
     # only the [rows, cols] view matters: leading dims flatten into rows
-    assert torch.equal(D.dropout_keep_mask((2, 3, 10), 0.4, 9, "cpu").reshape(6, 10), keep)
+    assert torch.equal(D.dropout_keep_mask((2, 3, 10), 0.4, S(9), "cpu").reshape(6, 10), keep)
     # cols a multiple of 4: the mask is the flat stream of 4-word blocks
     u = torch.stack(D.philox_rand4_ref(torch.arange(12), 9), -1).flatten()
-    keep8 = D.dropout_keep_mask((6, 8), 0.4, 9, "cpu")
+    keep8 = D.dropout_keep_mask((6, 8), 0.4, S(9), "cpu")
     assert torch.equal(keep8.flatten(), u >= torch.tensor(0.4, dtype=torch.float32))
     # cols not a multiple of 4: each row starts a new counter (last words unused)
-    keep5 = D.dropout_keep_mask((3, 5), 0.4, 9, "cpu")
+    keep5 = D.dropout_keep_mask((3, 5), 0.4, S(9), "cpu")
     u = torch.stack(D.philox_rand4_ref(torch.arange(6), 9), -1).reshape(3, 8)[:, :5]
     assert torch.equal(keep5, u >= torch.tensor(0.4, dtype=torch.float32))
-    assert D.dropout_keep_mask((0, 5), 0.4, 9, "cpu").shape == (0, 5)
-    assert D.dropout_keep_mask((4, 0), 0.4, 9, "cpu").shape == (4, 0)
-    assert D.dropout_keep_mask((), 0.4, 9, "cpu").shape == ()
+    assert D.dropout_keep_mask((0, 5), 0.4, S(9), "cpu").shape == (0, 5)
+    assert D.dropout_keep_mask((4, 0), 0.4, S(9), "cpu").shape == (4, 0)
+    assert D.dropout_keep_mask((), 0.4, S(9), "cpu").shape == ()
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_keep_fraction(p):
     n = 512 * 1024
-    frac = D.dropout_keep_mask((512, 1024), p, 31337, "cpu").float().mean().item()
+    frac = D.dropout_keep_mask((512, 1024), p, S(31337), "cpu").float().mean().item()
     assert abs(frac - (1 - p)) < 5 * (p * (1 - p) / n) ** 0.5 + 1e-4
     x = torch.ones(128, 257)
     with K.use("triton"):
-        y = D.dropout_fwd(x, p, 5)
+        y = D.dropout_fwd(x, p, S(5))
     frac_t = (y != 0).float().mean().item()
     assert abs(frac_t - (1 - p)) < 5 * (p * (1 - p) / x.numel()) ** 0.5 + 1e-4
     # kept values are scaled by 1/(1-p): the mean is preserved
@@ -237,16 +270,16 @@ def test_keep_fraction(p):
 def test_backward_regenerates_forward_mask(counters):
     x = torch.rand(11, 23) + 0.5
     with K.use("triton"):
-        y = D.dropout_fwd(x, 0.35, 2024)
-        dx = D.dropout_bwd(torch.ones_like(x), 0.35, 2024)
+        y = D.dropout_fwd(x, 0.35, S(2024))
+        dx = D.dropout_bwd(torch.ones_like(x), 0.35, S(2024))
     assert torch.equal(y != 0, dx != 0)
     assert_close(dx, torch.where(y != 0, 1 / 0.65, 0.0).double(), torch.float32)
-    assert torch.equal(D.dropout_bwd_ref(torch.ones_like(x), 0.35, 2024) != 0, y != 0)
+    assert torch.equal(D.dropout_bwd_ref(torch.ones_like(x), 0.35, S(2024)) != 0, y != 0)
 
 
 def test_seeds_give_different_masks():
-    a = D.dropout_keep_mask((64, 64), 0.5, 1, "cpu")
-    b = D.dropout_keep_mask((64, 64), 0.5, 2, "cpu")
+    a = D.dropout_keep_mask((64, 64), 0.5, S(1), "cpu")
+    b = D.dropout_keep_mask((64, 64), 0.5, S(2), "cpu")
     assert not torch.equal(a, b)
 
 
@@ -254,10 +287,10 @@ def test_seeds_give_different_masks():
 def test_p_zero_and_one(mode):
     x = torch.randn(5, 7)
     with K.use(mode):
-        assert D.dropout_fwd(x, 0.0, 3) is x
-        assert D.dropout_bwd(x, 0.0, 3) is x
-        y = D.dropout_fwd(x, 1.0, 3)
-        dx = D.dropout_bwd(x, 1.0, 3)
+        assert D.dropout_fwd(x, 0.0) is x  # inactive: no seed needed
+        assert D.dropout_bwd(x, 0.0) is x
+        y = D.dropout_fwd(x, 1.0, S(3))
+        dx = D.dropout_bwd(x, 1.0, S(3))
     for t in (y, dx):
         assert torch.isfinite(t).all() and (t == 0).all()
     assert D.dropout_keep_mask((5, 7), 0.0, 3, "cpu").all()
@@ -267,16 +300,65 @@ def test_p_zero_and_one(mode):
 def test_bad_arguments():
     x = torch.randn(3)
     with pytest.raises(ValueError):
-        D.dropout_fwd(x, 1.5, 0)
-    with pytest.raises(ValueError):
+        D.dropout_fwd(x, 1.5, S(0))
+    with pytest.raises(ValueError, match="needs a seed"):
+        D.dropout_fwd(x, 0.5)
+    for bad in (torch.tensor([1, 2]), torch.tensor([1.0]), torch.tensor([True])):
+        with pytest.raises(ValueError, match="one element"):
+            D.dropout_fwd(x, 0.5, bad)
+    with pytest.raises(ValueError):  # Python int seeds are checked on the host
         D.dropout_fwd(x, 0.5, -1)
     with pytest.raises(ValueError):
         D.dropout_keep_mask((3,), 0.5, 2**31, "cpu")
 
 
+@pytest.mark.parametrize("mode", ["triton", "reference"])
+def test_seed_tensor_forms(mode):
+    """A seed tensor of any integer dtype / shape with one element gives the mask of its value; a
+    Python int the same; the seed is read where the data is (no host read in the kernels)."""
+    x = torch.rand(6, 9) + 0.5
+    with K.use(mode):
+        y = D.dropout_fwd(x, 0.4, S(321))
+        for seed in (torch.tensor(321), torch.tensor([[321]], dtype=torch.int32), 321):
+            assert torch.equal(D.dropout_fwd(x, 0.4, seed), y)
+        assert not torch.equal(D.dropout_fwd(x, 0.4, S(322)), y)
+    assert torch.equal(y != 0, D.dropout_keep_mask(x.shape, 0.4, S(321), "cpu"))
+
+
+@pytest.mark.parametrize("mode", ["triton", "reference"])
+def test_compile_fullgraph_seed_tensor_aot_eager(mode):
+    """The seed is a graph input: no int(), no .item(); same result as eager."""
+    x, seed = torch.randn(7, 10), S(99)
+
+    def f(x, seed):
+        y = D.dropout_bwd(D.dropout_fwd(x, 0.3, seed), 0.3, seed)
+        return y, D.dropout_keep_mask(x.shape, 0.3, seed, x.device)
+
+    with K.use(mode):
+        out = torch.compile(f, backend="aot_eager", fullgraph=True)(x, seed)
+        ref = f(x, seed)
+    for a, b in zip(out, ref):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's numpy: inf * 0
+@pytest.mark.parametrize("mode", ["triton", "reference"])
+def test_dropped_nan_inf_give_nan_like_torch(mode):
+    """y = x * keep / (1 - p): a dropped NaN/Inf is NaN (inf * 0), as in torch.nn.functional.dropout."""
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0] * 8).reshape(4, 8)
+    keep = D.dropout_keep_mask(x.shape, 0.5, S(4), "cpu")
+    assert keep.any() and not keep.all()
+    expected = x * keep.float() * 2.0
+    with K.use(mode):
+        y = D.dropout_fwd(x, 0.5, S(4))
+        dx = D.dropout_bwd(x, 0.5, S(4))
+    torch.testing.assert_close(y, expected, equal_nan=True)
+    torch.testing.assert_close(dx, expected, equal_nan=True)
+
+
 def test_float64_ref():
     x = torch.randn(4, 9, dtype=torch.float64)
-    y = D.dropout_fwd_ref(x, 0.3, 8)
+    y = D.dropout_fwd_ref(x, 0.3, S(8))
     assert y.dtype == torch.float64
     assert_close(y, _expected(x, 0.3, 8))
 
@@ -295,10 +377,10 @@ def test_gpu_dropout_matches_ref(dtype):
 @pytest.mark.gpu
 def test_gpu_mask_bit_identical_and_fraction():
     x = torch.ones(4097, 1023, device="cuda")
-    y = D.dropout_fwd(x, 0.3, 123)
-    keep = D.dropout_keep_mask(x.shape, 0.3, 123, "cuda")
+    y = D.dropout_fwd(x, 0.3, S(123, "cuda"))
+    keep = D.dropout_keep_mask(x.shape, 0.3, S(123, "cuda"), "cuda")
     assert torch.equal(y != 0, keep)
-    assert torch.equal(D.dropout_keep_mask(x.shape, 0.3, 123, "cpu"), keep.cpu())
+    assert torch.equal(D.dropout_keep_mask(x.shape, 0.3, S(123), "cpu"), keep.cpu())
     assert abs(keep.float().mean().item() - 0.7) < 2e-3
     offs = torch.arange(0, 1 << 16, device="cuda", dtype=torch.int64) * 65537 + 2**33
     out = torch.empty(offs.numel(), dtype=torch.float32, device="cuda")
@@ -317,9 +399,9 @@ def test_gpu_mask_odd_shapes_both_counter_widths(monkeypatch):
             monkeypatch.setattr(D, "_OFF64_MIN", 0)
         for i, shape in enumerate([(3, 5), (7, 33), (1, 1), (5, 1026), (1025, 4099), (3, 2051)]):
             x = torch.rand(shape, device="cuda") + 0.5
-            y = D.dropout_fwd(x, 0.3, 40 + i)
-            dx = D.dropout_bwd(torch.ones_like(x), 0.3, 40 + i)
-            keep = D.dropout_keep_mask(shape, 0.3, 40 + i, "cpu")
+            y = D.dropout_fwd(x, 0.3, S(40 + i, "cuda"))
+            dx = D.dropout_bwd(torch.ones_like(x), 0.3, S(40 + i, "cuda"))
+            keep = D.dropout_keep_mask(shape, 0.3, S(40 + i), "cpu")
             assert torch.equal((y != 0).cpu(), keep), (shape, off64)
             assert torch.equal((dx != 0).cpu(), keep), (shape, off64)
     rows = torch.tensor([0, 1, 2**31 // 4 + 3, 2**33 + 5, 2**40 + 1], device="cuda")
@@ -334,9 +416,39 @@ def test_gpu_mask_odd_shapes_both_counter_widths(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_compile_fullgraph():
     x = torch.randn(333, 517, device="cuda", dtype=torch.bfloat16)
+    seed = S(11, "cuda")
 
-    def f(x):
-        return D.dropout_bwd(D.dropout_fwd(x, 0.2, 11), 0.2, 11)
+    def f(x, seed):
+        return D.dropout_bwd(D.dropout_fwd(x, 0.2, seed), 0.2, seed)
 
-    out = torch.compile(f, fullgraph=True)(x)
-    assert torch.equal(out, f(x))
+    out = torch.compile(f, fullgraph=True)(x, seed)
+    assert torch.equal(out, f(x, seed))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replays_draw_new_masks():
+    """The Dropout op draws its seed on the device: each CUDA-graph replay gets a new mask, and
+    backward (captured too) regenerates the mask of its own forward."""
+    import fusible_ops as fo
+
+    drop = fo.Dropout(0.5)
+    x = torch.ones(64, 96, device="cuda", requires_grad=True)
+    gy = torch.ones(64, 96, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up (Triton compiles) off the capture
+        for _ in range(2):
+            y = drop(x)
+            (gx,) = torch.autograd.grad(y, [x], gy)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = drop(x)
+        (gx,) = torch.autograd.grad(y, [x], gy)
+    masks = []
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y != 0, gx != 0)
+        masks.append((y != 0).clone())
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
