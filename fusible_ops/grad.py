@@ -111,13 +111,24 @@ def _dummy_grad(op, param: torch.Tensor) -> torch.Tensor:
     return d
 
 
+_NEVER = object()
+
+
+def _backward_token(param: torch.Tensor):
+    """Identifies the running backward (the autograd graph task) for ``overwrite_main_grad``;
+    ``None`` when the weight does not use it (no lookup, nothing for torch.compile to trace)."""
+    if not getattr(param, "overwrite_main_grad", False):
+        return None
+    return torch._C._current_graph_task_id()
+
+
 def _accumulate_into(param: torch.Tensor, token) -> bool:
     """Whether this delivery adds into main_grad. With ``overwrite_main_grad`` the FIRST
     delivery of one backward (``token``: the autograd graph task, or one ``backward_dw()``
     call) overwrites and later ones (a weight used twice) accumulate."""
     if not getattr(param, "overwrite_main_grad", False):
         return True
-    if getattr(param, "_main_grad_written_by", None) == token:
+    if getattr(param, "_main_grad_written_by", _NEVER) == token:
         return True
     param._main_grad_written_by = token
     return False
@@ -153,7 +164,7 @@ def deliver_weight_grad(op, param: torch.Tensor, compute: WgradCompute) -> Optio
             f"tensor with history), so it has no main_grad and no .grad of its own; use plain .grad "
             f"mode (accumulate_into_main_grad=False, no delayed weight gradients) for it"
         )
-    token = torch._C._current_graph_task_id()  # identifies this backward (overwrite_main_grad)
+    token = _backward_token(param)
     if op.delay_wgrad_compute or scheduler_active():
         pending = op.__dict__.setdefault("_pending_wgrads", [])
         pending.append((param, compute, token))

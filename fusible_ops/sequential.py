@@ -195,8 +195,8 @@ class Sequential(torch.nn.Module):
     def _plans(self, x: Optional[torch.Tensor], extra_inputs):
         """(fuser, plan, global basic-op offset) for every fuser, planned for input ``x``.
 
-        Without ``x``: each fuser's plan for the inputs of its last call (so the report is what
-        runs, with the ops' current state), or before any call, a training call with an input
+        Without ``x``: each fuser's plan for the inputs of its last call in the current grad mode
+        (so the report is what runs, with the ops' current state), or before any call, a training call with an input
         of the parameters' dtype and device."""
         stages = self._get_stages()
         out, offset, k = [], 0, 0
@@ -208,8 +208,8 @@ class Sequential(torch.nn.Module):
             grad_on = torch.is_grad_enabled()
             if x is None:
                 last = fuser.last_call_inputs()
-                if last is not None:
-                    grad_on, sample, ex = last
+                if last is not None:  # the caller's grad mode, the last call's inputs
+                    _, sample, ex = last
                 else:
                     sample = self._sample_input(fuser)
                     ex = extra_inputs[k : k + n] if extra_inputs else tuple(None for _ in range(n))
@@ -239,8 +239,9 @@ class Sequential(torch.nn.Module):
         "indices": basic-op indices (global over this Sequential's basic ops)}``.
 
         ``pass_`` is ``"forward"`` or ``"backward"`` (joint fusions appear in both). Without
-        ``x`` it is the plan the last call's inputs get with the ops' current state (what the
-        next such call runs), or before any call, the plan of a training call with an input of
+        ``x`` it is the plan the last call's inputs (dtype, device, requires_grad) get in the
+        current grad mode with the ops' current state (what the next such call runs), or before
+        any call, the plan of a training call with an input of
         the parameters' dtype and device that requires grad; pass ``x`` (and extra inputs) to
         see the plan for that call. A fusible module with hooks runs on its own (a fusion
         boundary), so its hooks see its inputs and outputs.

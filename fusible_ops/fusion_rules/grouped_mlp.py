@@ -44,7 +44,7 @@ class FusedGroupedMLP(FusedOperation):
         s2 = extra_inputs[2][0]
         if s2 is not extra_inputs[0][0]:
             splits2 = check_split_sizes(fc2, s2, fc2.num_groups, x2d.shape[0], x.device)
-            if splits2.is_cuda:
+            if splits2.is_cuda or torch.compiler.is_compiling():
                 device_check(fc2, (splits2 == splits).all(), splits2, "FC2 split sizes must equal FC1's (fused grouped MLP)")
             elif not torch.equal(splits2, splits):
                 raise ValueError("fused grouped MLP: FC1 and FC2 split sizes differ")

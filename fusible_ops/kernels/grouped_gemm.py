@@ -517,11 +517,22 @@ def grouped_bias_grad(dy: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tens
 
 
 # ----------------------------------------------------------------------------- references
+# Eager: a per-group loop over host-read bounds (memory-lean). Traced by torch.compile: the same
+# math with a [G, rows] group mask and no host read (every group's product is computed over all
+# rows, then selected; exact, since unselected entries contribute exact zeros).
 def _bounds(split_sizes: torch.Tensor):
-    """Host (start, end) per group (the refs may sync)."""
+    """Host (start, end) per group (the eager refs may sync)."""
     ends = torch.cumsum(split_sizes.detach().to("cpu", torch.int64), 0).tolist()
     starts = [0] + ends[:-1]
     return list(zip(starts, ends))
+
+
+def _group_mask(split_sizes: torch.Tensor, rows: int, device) -> torch.Tensor:
+    """[G, rows, 1] bool: row r belongs to group g. Traceable (no host read)."""
+    sizes = split_sizes.to(device, torch.int64)
+    ends = torch.cumsum(sizes, 0)
+    r = torch.arange(rows, device=device)
+    return ((r >= (ends - sizes)[:, None]) & (r < ends[:, None]))[..., None]
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -532,6 +543,11 @@ def grouped_gemm_fwd_ref(x: torch.Tensor, w: torch.Tensor, split_sizes: torch.Te
                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Pure-torch twin of :func:`grouped_gemm_fwd` (per-group loop, fp32 math, syncs)."""
     acc = _acc_dtype(x.dtype)
+    if torch.compiler.is_compiling():
+        r = x.to(acc)[None] @ w.to(acc).transpose(1, 2)
+        if bias is not None:
+            r = r + bias.to(acc)[:, None, :]
+        return torch.where(_group_mask(split_sizes, x.shape[0], x.device), r, 0).sum(0).to(x.dtype)
     y = torch.zeros((x.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)
     for g, (s, e) in enumerate(_bounds(split_sizes)):
         if e > s:
@@ -542,14 +558,22 @@ def grouped_gemm_fwd_ref(x: torch.Tensor, w: torch.Tensor, split_sizes: torch.Te
     return y
 
 
-def grouped_gemm_dgrad_ref(dy: torch.Tensor, w: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
-    """Pure-torch twin of :func:`grouped_gemm_dgrad`."""
+def grouped_dgrad_acc_ref(dy: torch.Tensor, w: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
+    """``dx_g = dy_g @ w[g]`` in the accumulation dtype (fp32; fp64 for fp64), not cast back."""
     acc = _acc_dtype(dy.dtype)
-    dx = torch.zeros((dy.shape[0], w.shape[2]), dtype=dy.dtype, device=dy.device)
+    if torch.compiler.is_compiling():
+        r = dy.to(acc)[None] @ w.to(acc)
+        return torch.where(_group_mask(split_sizes, dy.shape[0], dy.device), r, 0).sum(0)
+    dx = torch.zeros((dy.shape[0], w.shape[2]), dtype=acc, device=dy.device)
     for g, (s, e) in enumerate(_bounds(split_sizes)):
         if e > s:
-            dx[s:e] = (dy[s:e].to(acc) @ w[g].to(acc)).to(dy.dtype)
+            dx[s:e] = dy[s:e].to(acc) @ w[g].to(acc)
     return dx
+
+
+def grouped_gemm_dgrad_ref(dy: torch.Tensor, w: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
+    """Pure-torch twin of :func:`grouped_gemm_dgrad`."""
+    return grouped_dgrad_acc_ref(dy, w, split_sizes).to(dy.dtype)
 
 
 def grouped_gemm_wgrad_ref(dy: torch.Tensor, x: torch.Tensor, split_sizes: torch.Tensor,
@@ -560,6 +584,11 @@ def grouped_gemm_wgrad_ref(dy: torch.Tensor, x: torch.Tensor, split_sizes: torch
     if out is None:
         out = torch.empty((G, dy.shape[1], x.shape[1]), dtype=x.dtype, device=x.device)
         accumulate = False
+    if torch.compiler.is_compiling():
+        dym = torch.where(_group_mask(split_sizes, dy.shape[0], dy.device), dy.to(acc)[None], 0)
+        r = dym.transpose(1, 2) @ x.to(acc)[None]
+        out.copy_((r + out.to(acc)) if accumulate else r)
+        return out
     for g, (s, e) in enumerate(_bounds(split_sizes)):
         if e > s:
             r = dy[s:e].to(acc).T @ x[s:e].to(acc)
@@ -575,6 +604,9 @@ def grouped_bias_grad_ref(dy: torch.Tensor, split_sizes: torch.Tensor) -> torch.
     """Pure-torch twin of :func:`grouped_bias_grad`."""
     acc = _acc_dtype(dy.dtype)
     G = split_sizes.shape[0]
+    if torch.compiler.is_compiling():
+        mask = _group_mask(split_sizes, dy.shape[0], dy.device)
+        return torch.where(mask, dy.to(acc)[None], 0).sum(1).to(dy.dtype)
     db = torch.zeros((G, dy.shape[1]), dtype=dy.dtype, device=dy.device)
     for g, (s, e) in enumerate(_bounds(split_sizes)):
         if e > s:
