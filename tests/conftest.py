@@ -3,7 +3,10 @@
 * Without CUDA, Triton's interpreter is switched on *before* triton is imported, so
   ``fusible_ops.kernels.use("triton")`` can run every kernel on CPU tensors.
 * Tests marked ``gpu`` are skipped without CUDA.
-* Hypothesis runs a fixed, derandomized profile (``ci``) with bounded examples.
+* Hypothesis runs a fixed, derandomized profile (``ci``) with bounded examples
+  (``HYPOTHESIS_PROFILE=dev`` for more). Users' projects have no such profile: the README recipe
+  uses ``fusible_ops.testing.fusion_settings()`` instead (tests/test_testing_helpers.py runs it
+  without this file).
 """
 
 import os

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import Phase, given, settings, strategies as st
 
 import fusible_ops as fo
 from fusible_ops.rules import MATCH_STATS
-from fusible_ops.testing import assert_matches_reference
+from fusible_ops.testing import assert_close, assert_matches_reference
 from fusible_ops.testing.strategies import chains, dtypes, leading_shapes
 
 
@@ -21,6 +21,43 @@ def test_random_chains_match_unfused_reference(chain, dtype, lead, seed):
 def test_random_chains_input_without_grad(chain, lead):
     seq = chain.build()
     assert_matches_reference(seq, *chain.inputs(lead, x_requires_grad=False))
+
+
+# torch.compile (aot_eager, fullgraph=True) of random chains of every built-in op against eager.
+def _outputs_and_grads(module, params, inputs, seed):
+    ins = [t.detach().clone().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in inputs]
+    for p in params:
+        p.grad = None
+    torch.manual_seed(seed)  # dropout draws the same seeds in the compiled and the eager run
+    out = module(*ins)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    diff = [o for o in outs if o.requires_grad]
+    g = torch.Generator().manual_seed(7)
+    if diff:
+        torch.autograd.backward(diff, [torch.randn(o.shape, generator=g).to(o.dtype) for o in diff])
+    grads = [t.grad for t in ins if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    grads += [p.grad for p in params if p.requires_grad]
+    return [o.detach() for o in outs], [None if t is None else t.detach().clone() for t in grads]
+
+
+def _assert_compiled_matches_eager(seq, inputs, dtype):
+    torch._dynamo.reset()  # every example is a new module: no recompile limit, no stale guards
+    params = list(seq.parameters())
+    compiled = torch.compile(seq, backend="aot_eager", fullgraph=True)
+    outs_c, grads_c = _outputs_and_grads(compiled, params, inputs, seed=11)
+    outs_e, grads_e = _outputs_and_grads(seq, params, inputs, seed=11)
+    assert len(outs_c) == len(outs_e) and len(grads_c) == len(grads_e)
+    for i, (a, b) in enumerate(zip(outs_c + grads_c, outs_e + grads_e)):
+        assert (a is None) == (b is None), f"tensor {i}: gradient missing in one run"
+        if a is not None:
+            assert_close(a, b, dtype, msg=f"compiled vs eager, tensor {i}")
+
+
+@settings(max_examples=8, phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking: compiles are slow
+@given(chain=chains(max_len=4), dtype=dtypes(), lead=leading_shapes(), seed=st.integers(0, 2**16))
+def test_random_chains_compile_fullgraph_matches_eager(chain, dtype, lead, seed):
+    seq = chain.build(dtype=dtype, seed=seed)
+    _assert_compiled_matches_eager(seq, chain.inputs(lead, dtype=dtype, seed=seed), dtype)
 
 
 def test_odd_shape_3x5_all_activations():
@@ -138,6 +175,9 @@ class Doubler(fo.BasicOperation):
 
     def op_backward(self, ctx, dy):
         return 2 * dy, ()
+
+    def reference_forward(self, x):
+        return 2 * x
 
 
 class FusedDoubleDouble(fo.FusedOperation):

@@ -1,15 +1,35 @@
 """Test helpers users can reuse to property-test their own ops and fusions.
 
-* :func:`assert_matches_reference`: a fused ``Sequential`` against the same ops run unfused, one
-  by one, under plain autograd in float64 (outputs and every input/parameter gradient).
-* :mod:`fusible_ops.testing.strategies`: hypothesis strategies for op chains, shapes, dtypes.
+* :func:`assert_matches_reference`: a fused ``Sequential`` against plain autograd over each
+  basic op's ``reference_forward`` on float64 copies (outputs and every input/parameter
+  gradient), judged by the tolerance table and, for low precision, against plain PyTorch at the
+  same dtype. :func:`run_reference` runs that reference chain.
+* :mod:`fusible_ops.testing.strategies` (needs ``hypothesis``): the op catalogue
+  (``OpSpec``, ``BUILTIN_OPS``), ``chains()``, shapes, dtypes, and :func:`fusion_settings`
+  (also importable from here).
 * The one tolerance table by dtype (:data:`TOLERANCES`) and comparison helpers.
 """
 
-from .reference import assert_close_scaled, assert_matches_reference, run_unfused
-from .tolerances import NORM_TOLERANCES, TOLERANCES, assert_close, assert_close_norm, tolerance
+from .reference import (
+    MissingReferenceError, UncheckedOpWarning, assert_close_scaled, assert_matches_reference, run_reference,
+    run_unfused,
+)
+from .tolerances import (
+    BASELINE_ATOL, BASELINE_FACTOR, NORM_TOLERANCES, TOLERANCES, assert_close, assert_close_norm, tolerance,
+)
+
+_FROM_STRATEGIES = ("BUILTIN_OPS", "Chain", "OpSpec", "chains", "dtypes", "fusion_settings", "leading_shapes")
 
 __all__ = [
-    "NORM_TOLERANCES", "TOLERANCES", "assert_close", "assert_close_norm", "assert_close_scaled",
-    "assert_matches_reference", "run_unfused", "tolerance",
+    "BASELINE_ATOL", "BASELINE_FACTOR", "MissingReferenceError", "NORM_TOLERANCES", "TOLERANCES",
+    "UncheckedOpWarning", "assert_close", "assert_close_norm", "assert_close_scaled", "assert_matches_reference",
+    "run_reference", "run_unfused", "tolerance", *_FROM_STRATEGIES,
 ]
+
+
+def __getattr__(name):  # hypothesis-based helpers load on first use (hypothesis stays optional)
+    if name in _FROM_STRATEGIES:
+        from . import strategies
+
+        return getattr(strategies, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
