@@ -103,4 +103,29 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
-__all__ = ["HAS_TRITON", "current_mode", "interpreter_enabled", "use", "use_triton"]
+def kernel_op(name: str, *, mutates_args=()):
+    """Register a launcher as the ``torch.library`` custom op ``name`` (so ``torch.compile``
+    traces it through its fake implementation), and return a callable that runs the launcher
+    DIRECTLY in eager mode: eager calls skip the custom-op dispatch (its Python wrapper costs
+    far more host time than a Triton launch), traced calls go through the op.
+
+    The returned callable has ``register_fake`` (decorator, as on the op) and ``op``.
+    """
+
+    def wrap(fn):
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        is_compiling = torch.compiler.is_compiling
+
+        def call(*args):
+            return op(*args) if is_compiling() else fn(*args)
+
+        call.op = op
+        call.register_fake = op.register_fake
+        call.__name__ = fn.__name__
+        call.__doc__ = fn.__doc__
+        return call
+
+    return wrap
+
+
+__all__ = ["HAS_TRITON", "current_mode", "interpreter_enabled", "kernel_op", "use", "use_triton"]

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from fusible_ops.kernels import HAS_TRITON, use_triton
+from fusible_ops.kernels import HAS_TRITON, kernel_op, use_triton
 from fusible_ops.kernels.activation_ref import (  # noqa: F401  (re-exported: one module to import)
     ACTIVATIONS,
     GATED,
@@ -334,7 +334,7 @@ def _empty(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op("fusible_ops::bias_act_fwd", mutates_args=())
+@kernel_op("fusible_ops::bias_act_fwd", mutates_args=())
 def _bias_act_fwd_op(
     x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, dropout_p: float, seed: Optional[torch.Tensor]
 ) -> torch.Tensor:
@@ -347,7 +347,7 @@ def _(x, bias, kind, dropout_p, seed):
     return x.new_empty((*x.shape[:-1], _out_cols(x, gated)))
 
 
-@torch.library.custom_op("fusible_ops::bias_act_bwd", mutates_args=())
+@kernel_op("fusible_ops::bias_act_bwd", mutates_args=())
 def _bias_act_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, need_dbias: bool,
     dropout_p: float, seed: Optional[torch.Tensor],
@@ -363,7 +363,7 @@ def _(dy, x, bias, kind, need_dbias, dropout_p, seed):
     return x.new_empty(x.shape), dbias
 
 
-@torch.library.custom_op("fusible_ops::scaled_swiglu_fwd", mutates_args=())
+@kernel_op("fusible_ops::scaled_swiglu_fwd", mutates_args=())
 def _scaled_swiglu_fwd_op(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return _act_fwd_launch(x, None, scales, "swiglu", 0.0, None)
 
@@ -373,7 +373,7 @@ def _(x, scales):
     return x.new_empty((*x.shape[:-1], _out_cols(x, True)))
 
 
-@torch.library.custom_op("fusible_ops::scaled_swiglu_bwd", mutates_args=())
+@kernel_op("fusible_ops::scaled_swiglu_bwd", mutates_args=())
 def _scaled_swiglu_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, scales: torch.Tensor, need_dscales: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,7 @@ from typing import Optional, Union
 
 import torch
 
-from fusible_ops.kernels import HAS_TRITON, use_triton
+from fusible_ops.kernels import HAS_TRITON, kernel_op, use_triton
 
 if HAS_TRITON:
     import triton
@@ -190,7 +190,7 @@ def _dropout_launch(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tens
     return y
 
 
-@torch.library.custom_op("fusible_ops::dropout", mutates_args=())
+@kernel_op("fusible_ops::dropout", mutates_args=())
 def _dropout_op(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     """Custom-op wrapper of the Triton dropout (forward and backward share it)."""
     return _dropout_launch(x, p, seed)

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from fusible_ops.kernels import HAS_TRITON, interpreter_enabled, use_triton
+from fusible_ops.kernels import HAS_TRITON, interpreter_enabled, kernel_op, use_triton
 
 if HAS_TRITON:
     import triton
@@ -389,7 +389,7 @@ def _launch_wgrad(dy, x, out, split, accumulate):
 
 
 # ----------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("fusible_ops::grouped_gemm_fwd", mutates_args=())
+@kernel_op("fusible_ops::grouped_gemm_fwd", mutates_args=())
 def _grouped_gemm_fwd_op(x: torch.Tensor, w: torch.Tensor, split_sizes: torch.Tensor,
                          bias: Optional[torch.Tensor]) -> torch.Tensor:
     y = torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)
@@ -401,7 +401,7 @@ def _(x, w, split_sizes, bias):
     return x.new_empty((x.shape[0], w.shape[1]))
 
 
-@torch.library.custom_op("fusible_ops::grouped_gemm_dgrad", mutates_args=())
+@kernel_op("fusible_ops::grouped_gemm_dgrad", mutates_args=())
 def _grouped_gemm_dgrad_op(dy: torch.Tensor, w: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
     dx = torch.empty((dy.shape[0], w.shape[2]), dtype=dy.dtype, device=dy.device)
     return _launch_mn(dy, w, dx, None, split_sizes, w.shape[2], w.shape[1], w.stride(1), w.stride(2), False)
@@ -412,7 +412,7 @@ def _(dy, w, split_sizes):
     return dy.new_empty((dy.shape[0], w.shape[2]))
 
 
-@torch.library.custom_op("fusible_ops::grouped_gemm_wgrad", mutates_args=())
+@kernel_op("fusible_ops::grouped_gemm_wgrad", mutates_args=())
 def _grouped_gemm_wgrad_op(dy: torch.Tensor, x: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
     out = torch.empty((split_sizes.shape[0], dy.shape[1], x.shape[1]), dtype=x.dtype, device=x.device)
     return _launch_wgrad(dy, x, out, split_sizes, False)
@@ -423,7 +423,7 @@ def _(dy, x, split_sizes):
     return x.new_empty((split_sizes.shape[0], dy.shape[1], x.shape[1]))
 
 
-@torch.library.custom_op("fusible_ops::grouped_gemm_wgrad_out", mutates_args=("out",))
+@kernel_op("fusible_ops::grouped_gemm_wgrad_out", mutates_args=("out",))
 def _grouped_gemm_wgrad_out_op(dy: torch.Tensor, x: torch.Tensor, split_sizes: torch.Tensor, out: torch.Tensor,
                                accumulate: bool) -> None:
     _launch_wgrad(dy, x, out, split_sizes, accumulate)
@@ -434,7 +434,7 @@ def _(dy, x, split_sizes, out, accumulate):
     return None
 
 
-@torch.library.custom_op("fusible_ops::grouped_bias_grad", mutates_args=())
+@kernel_op("fusible_ops::grouped_bias_grad", mutates_args=())
 def _grouped_bias_grad_op(dy: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
     M, N = dy.shape
     G = split_sizes.shape[0]
@@ -466,7 +466,7 @@ def grouped_gemm_fwd(x: torch.Tensor, w: torch.Tensor, split_sizes: torch.Tensor
     _check(split_sizes, G, x, w, *([bias] if bias is not None else []))
     _same_dtype(x, w)
     if use_triton(x, w, split_sizes, bias) and x.dtype in _TRITON_DTYPES:
-        return torch.ops.fusible_ops.grouped_gemm_fwd(x, w, split_sizes, bias)
+        return _grouped_gemm_fwd_op(x, w, split_sizes, bias)
     return grouped_gemm_fwd_ref(x, w, split_sizes, bias)
 
 
@@ -478,7 +478,7 @@ def grouped_gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, split_sizes: torch.Ten
     _check(split_sizes, w.shape[0], dy, w)
     _same_dtype(dy, w)
     if use_triton(dy, w, split_sizes) and dy.dtype in _TRITON_DTYPES:
-        return torch.ops.fusible_ops.grouped_gemm_dgrad(dy, w, split_sizes)
+        return _grouped_gemm_dgrad_op(dy, w, split_sizes)
     return grouped_gemm_dgrad_ref(dy, w, split_sizes)
 
 
@@ -499,8 +499,8 @@ def grouped_gemm_wgrad(dy: torch.Tensor, x: torch.Tensor, split_sizes: torch.Ten
     if use_triton(dy, x, split_sizes, out) and x.dtype in _TRITON_DTYPES and (
             out is None or out.dtype in _TRITON_DTYPES):
         if out is None:
-            return torch.ops.fusible_ops.grouped_gemm_wgrad(dy, x, split_sizes)
-        torch.ops.fusible_ops.grouped_gemm_wgrad_out(dy, x, split_sizes, out, accumulate)
+            return _grouped_gemm_wgrad_op(dy, x, split_sizes)
+        _grouped_gemm_wgrad_out_op(dy, x, split_sizes, out, accumulate)
         return out
     return grouped_gemm_wgrad_ref(dy, x, split_sizes, out, accumulate)
 
@@ -512,7 +512,7 @@ def grouped_bias_grad(dy: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tens
     """
     _check(split_sizes, split_sizes.shape[0], dy)
     if use_triton(dy, split_sizes) and dy.dtype in _TRITON_DTYPES:
-        return torch.ops.fusible_ops.grouped_bias_grad(dy, split_sizes)
+        return _grouped_bias_grad_op(dy, split_sizes)
     return grouped_bias_grad_ref(dy, split_sizes)
 
 

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from fusible_ops.kernels import HAS_TRITON, interpreter_enabled, use_triton
+from fusible_ops.kernels import HAS_TRITON, interpreter_enabled, kernel_op, use_triton
 from fusible_ops.kernels import grouped_gemm as _gg
 
 _KINDS = {"swiglu": 0, "scaled_swiglu": 0, "geglu": 1, "geglu_tanh": 2}
@@ -257,7 +257,7 @@ def _interp(t: torch.Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("fusible_ops::grouped_glu_fwd", mutates_args=())
+@kernel_op("fusible_ops::grouped_glu_fwd", mutates_args=())
 def _grouped_glu_fwd_op(x: torch.Tensor, w1: torch.Tensor, split_sizes: torch.Tensor, bias1: Optional[torch.Tensor],
                         kind: str, scales: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
@@ -286,7 +286,7 @@ def _(x, w1, split_sizes, bias1, kind, scales):
     return x.new_empty((x.shape[0], F)), x.new_empty((x.shape[0], 2 * F))
 
 
-@torch.library.custom_op("fusible_ops::grouped_dglu", mutates_args=())
+@kernel_op("fusible_ops::grouped_dglu", mutates_args=())
 def _grouped_dglu_op(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Tensor, h: torch.Tensor, kind: str,
                      scales: Optional[torch.Tensor], need_dscales: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -338,7 +338,7 @@ def grouped_glu_fwd(x: torch.Tensor, w1: torch.Tensor, split_sizes: torch.Tensor
         raise ValueError(f"w1 must be [G, 2F, K]; got {tuple(w1.shape)}")
     _check_glu(split_sizes, w1.shape[0], x, w1, bias1, scales)
     if use_triton(x, w1, split_sizes, bias1, scales) and x.dtype in _gg._TRITON_DTYPES:
-        return torch.ops.fusible_ops.grouped_glu_fwd(x, w1, split_sizes, bias1, kind, scales)
+        return _grouped_glu_fwd_op(x, w1, split_sizes, bias1, kind, scales)
     return grouped_glu_fwd_ref(x, w1, split_sizes, bias1, kind, scales)
 
 
@@ -359,7 +359,7 @@ def grouped_dglu(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Tensor,
         raise ValueError(f"h must be [M, 2F] = {(dy2.shape[0], 2 * F)}, got {tuple(h.shape)}")
     _check_glu(split_sizes, w2.shape[0], dy2, w2, h, scales)
     if use_triton(dy2, w2, split_sizes, h, scales) and dy2.dtype in _gg._TRITON_DTYPES:
-        dh, y, ds = torch.ops.fusible_ops.grouped_dglu(dy2, w2, split_sizes, h, kind, scales, need_dscales)
+        dh, y, ds = _grouped_dglu_op(dy2, w2, split_sizes, h, kind, scales, need_dscales)
         return dh, y, (ds if need_dscales else None)
     return grouped_dglu_ref(dy2, w2, split_sizes, h, kind, scales, need_dscales)
 
