@@ -16,7 +16,9 @@ from .ops import (
 )
 from .rules import FusionContext, RuleSet, match, register_fusion
 from .sequential import Sequential
-from . import fusion_rules  # noqa: E402  (registers the built-in rules)
+from . import fusion_rules, rules  # noqa: E402
+
+rules.install_builtin(fusion_rules.BUILTIN_RULES)
 
 __version__ = "0.1.0"
 

@@ -7,7 +7,8 @@ that returns the :class:`~fusible_ops.op.FusedOperation`, and a priority. One sh
 the longest match, then the leftmost.
 
 Rules live in a :class:`RuleSet`. The global set (:func:`global_rules`) holds the built-in rules
-(registered in :mod:`fusible_ops.fusion_rules`) and whatever users add with
+(data in :mod:`fusible_ops.fusion_rules`, installed by the package's ``__init__``, so this module
+imports no rule family) and whatever users add with
 :func:`register_fusion`. A ``Sequential(..., rules=rs)`` uses only ``rs``.
 """
 
@@ -109,8 +110,6 @@ class RuleSet:
 
     @classmethod
     def builtin(cls) -> "RuleSet":
-        from . import fusion_rules  # noqa: F401  (registers the built-in rules)
-
         rs = cls()
         rs._rules = {k: v for k, v in _BUILTIN._rules.items()}
         return rs
@@ -123,24 +122,23 @@ class RuleSet:
         returns a ``FusedOperation``; ``check(ops, ctx)`` returns ``None``/``True`` to accept,
         or a reason string (or ``False``) to decline. Re-registering a name replaces the rule.
         """
-        if pass_ not in PASSES:
-            raise ValueError(f"rule {name!r}: pass_ must be one of {PASSES}, got {pass_!r}")
-        if pattern is None or len(pattern) == 0:
-            raise ValueError(f"rule {name!r}: empty pattern")
-        matchers = tuple(_as_matcher(m) for m in pattern)
-
         def add(builder):
-            if not callable(builder):
-                raise TypeError(f"rule {name!r}: build must be callable")
-            self._rules[name] = FusionRule(name, matchers, pass_, builder, check, int(priority))
-            _known_names.add(name)
-            self.version = next(_epoch)
+            self.add(rule(name, pattern, pass_=pass_, build=builder, check=check, priority=priority))
             return builder
 
         if build is None:
+            rule(name, pattern, pass_=pass_, build=lambda ops: None, check=check, priority=priority)  # validate now
             return add  # decorator form
         add(build)
         return build
+
+    def add(self, fusion_rule: "FusionRule") -> None:
+        """Add a rule made by :func:`rule` (replacing one of the same name)."""
+        if not isinstance(fusion_rule, FusionRule):
+            raise TypeError(f"RuleSet.add takes a FusionRule (see fusible_ops.rules.rule), got {fusion_rule!r}")
+        self._rules[fusion_rule.name] = fusion_rule
+        _known_names.add(fusion_rule.name)
+        self.version = next(_epoch)
 
     def unregister(self, name: str) -> None:
         del self._rules[name]
@@ -162,7 +160,7 @@ class RuleSet:
         return f"RuleSet({', '.join(self._rules)})"
 
 
-_BUILTIN = RuleSet()  # filled by fusible_ops.fusion_rules
+_BUILTIN = RuleSet()  # filled by install_builtin
 _GLOBAL = RuleSet()  # built-ins plus user registrations
 
 
@@ -175,10 +173,23 @@ def global_rules() -> RuleSet:
     return _GLOBAL
 
 
-def _register_builtin(name: str, pattern, *, pass_: str, build: Callable, check=None, priority: int = 0):
-    """Register a built-in rule (in the built-in set and the global set)."""
-    _BUILTIN.register(name, pattern, pass_=pass_, build=build, check=check, priority=priority)
-    _GLOBAL.register(name, pattern, pass_=pass_, build=build, check=check, priority=priority)
+def rule(name: str, pattern, *, pass_: str, build: Callable, check=None, priority: int = 0) -> "FusionRule":
+    """A fusion rule as data (validated; registers nothing). See :meth:`RuleSet.register`."""
+    if pass_ not in PASSES:
+        raise ValueError(f"rule {name!r}: pass_ must be one of {PASSES}, got {pass_!r}")
+    if pattern is None or len(pattern) == 0:
+        raise ValueError(f"rule {name!r}: empty pattern")
+    if not callable(build):
+        raise TypeError(f"rule {name!r}: build must be callable")
+    return FusionRule(name, tuple(_as_matcher(m) for m in pattern), pass_, build, check, int(priority))
+
+
+def install_builtin(rules) -> None:
+    """Install the built-in rules (``fusible_ops.fusion_rules.BUILTIN_RULES``) in the built-in
+    and the global set. Called once by ``fusible_ops/__init__.py``."""
+    for r in rules:
+        _BUILTIN.add(r)
+        _GLOBAL.add(r)
 
 
 def register_fusion(name: str, pattern=None, *, pass_: str, build: Callable = None, check=None, priority: int = 0):
@@ -194,8 +205,6 @@ def disabled(*names: str):
     listing close matches. Plans are cached per set of disabled names, so using the same
     ``disabled(...)`` every step re-plans nothing and the plan caches stay bounded.
     """
-    from . import fusion_rules  # noqa: F401  (the built-in names are known once registered)
-
     for n in names:
         if not isinstance(n, str):
             raise TypeError(f"fusion_rules.disabled: rule names are strings, got {n!r}")

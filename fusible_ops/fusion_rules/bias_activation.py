@@ -21,7 +21,7 @@ from ..op import FusedOperation
 from ..ops.activation import ACTIVATION_CLASSES, Activation
 from ..ops.linear import BasicLinear, Bias
 from ..ops.misc import Dropout
-from ..rules import _register_builtin, match
+from ..rules import match, rule
 
 
 def _kernels():
@@ -146,20 +146,22 @@ _build_fwd = ForwardLinearBiasActivation
 _build_bwd = BackwardBiasActivation
 
 # Forward rules (longest match wins; priority equal).
-_register_builtin("linear_bias_activation_dropout", [BasicLinear, Bias, _ACT, Dropout],
-                  pass_="forward", build=_build_fwd, check=_check_forward)
-_register_builtin("linear_bias_activation", [BasicLinear, Bias, _ACT],
-                  pass_="forward", build=_build_fwd, check=_check_forward)
-_register_builtin("linear_bias", [BasicLinear, Bias], pass_="forward", build=_build_fwd, check=_check_forward)
-_register_builtin("bias_activation_dropout", [Bias, _ACT, Dropout],
-                  pass_="forward", build=_build_fwd, check=_check_forward)
-_register_builtin("bias_activation", [Bias, _ACT], pass_="forward", build=_build_fwd, check=_check_forward)
-_register_builtin("activation_dropout", [_ACT, Dropout], pass_="forward", build=_build_fwd, check=_check_forward)
+RULES = [  # the built-in rules of this family (installed by fusible_ops/__init__.py)
+    rule("linear_bias_activation_dropout", [BasicLinear, Bias, _ACT, Dropout],
+         pass_="forward", build=_build_fwd, check=_check_forward),
+    rule("linear_bias_activation", [BasicLinear, Bias, _ACT],
+         pass_="forward", build=_build_fwd, check=_check_forward),
+    rule("linear_bias", [BasicLinear, Bias], pass_="forward", build=_build_fwd, check=_check_forward),
+    rule("bias_activation_dropout", [Bias, _ACT, Dropout],
+         pass_="forward", build=_build_fwd, check=_check_forward),
+    rule("bias_activation", [Bias, _ACT], pass_="forward", build=_build_fwd, check=_check_forward),
+    rule("activation_dropout", [_ACT, Dropout], pass_="forward", build=_build_fwd, check=_check_forward),
 
-# Backward rules.
-_register_builtin("bias_activation_dropout_backward", [Bias, _ACT, Dropout],
-                  pass_="backward", build=_build_bwd, check=_check_backward)
-_register_builtin("activation_bias_backward", [Bias, _ACT],
-                  pass_="backward", build=_build_bwd, check=_check_backward)
-_register_builtin("activation_dropout_backward", [_ACT, Dropout],
-                  pass_="backward", build=_build_bwd, check=_check_backward)
+    # Backward rules.
+    rule("bias_activation_dropout_backward", [Bias, _ACT, Dropout],
+         pass_="backward", build=_build_bwd, check=_check_backward),
+    rule("activation_bias_backward", [Bias, _ACT],
+         pass_="backward", build=_build_bwd, check=_check_backward),
+    rule("activation_dropout_backward", [_ACT, Dropout],
+         pass_="backward", build=_build_bwd, check=_check_backward),
+]

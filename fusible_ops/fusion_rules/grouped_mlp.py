@@ -23,7 +23,7 @@ from ..grad import deliver_weight_grad
 from ..op import FusedOperation
 from ..ops.activation import GEGLU, ScaledSwiGLU, SwiGLU
 from ..ops.grouped_linear import GroupedLinear, check_split_sizes
-from ..rules import _register_builtin, match
+from ..rules import match, rule
 
 
 def _mlp():
@@ -116,5 +116,7 @@ def _check_forward_only(ops, ctx):
 
 
 _PATTERN = [GroupedLinear, match((SwiGLU, GEGLU, ScaledSwiGLU)), GroupedLinear]
-_register_builtin("grouped_mlp", _PATTERN, pass_="joint", build=FusedGroupedMLP, check=_check)
-_register_builtin("grouped_mlp_forward", _PATTERN, pass_="forward", build=FusedGroupedMLP, check=_check_forward_only)
+RULES = [  # the built-in rules of this family (installed by fusible_ops/__init__.py)
+    rule("grouped_mlp", _PATTERN, pass_="joint", build=FusedGroupedMLP, check=_check),
+    rule("grouped_mlp_forward", _PATTERN, pass_="forward", build=FusedGroupedMLP, check=_check_forward_only),
+]

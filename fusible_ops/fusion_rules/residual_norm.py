@@ -14,7 +14,7 @@ from ..op import FusedOperation
 from ..ops._common import check_same
 from ..ops.misc import AddExtraInput, MakeExtraOutput
 from ..ops.norm import NORM_CLASSES
-from ..rules import _register_builtin
+from ..rules import rule
 
 
 class ForwardAddNorm(FusedOperation):
@@ -47,10 +47,12 @@ def _check(ops, ctx):
 
 
 _NORM = NORM_CLASSES
-_register_builtin("residual_norm", [AddExtraInput, _NORM], pass_="forward", build=ForwardAddNorm, check=_check)
-_register_builtin("residual_extra_norm", [AddExtraInput, MakeExtraOutput, _NORM],
-                  pass_="forward", build=ForwardAddNorm, check=_check)
-_register_builtin("residual_norm_backward", [AddExtraInput, _NORM],
-                  pass_="backward", build=BackwardAddNorm, check=_check)
-_register_builtin("residual_extra_norm_backward", [AddExtraInput, MakeExtraOutput, _NORM],
-                  pass_="backward", build=BackwardAddNorm, check=_check)
+RULES = [  # the built-in rules of this family (installed by fusible_ops/__init__.py)
+    rule("residual_norm", [AddExtraInput, _NORM], pass_="forward", build=ForwardAddNorm, check=_check),
+    rule("residual_extra_norm", [AddExtraInput, MakeExtraOutput, _NORM],
+         pass_="forward", build=ForwardAddNorm, check=_check),
+    rule("residual_norm_backward", [AddExtraInput, _NORM],
+         pass_="backward", build=BackwardAddNorm, check=_check),
+    rule("residual_extra_norm_backward", [AddExtraInput, MakeExtraOutput, _NORM],
+         pass_="backward", build=BackwardAddNorm, check=_check),
+]
