@@ -1,0 +1,87 @@
+"""Pure-torch ``*_ref`` twins of :mod:`fusible_ops.kernels.norm` (re-exported there).
+
+Same contracts as the public functions of :mod:`fusible_ops.kernels.norm` and the same math
+(written out in its module docstring), in fp32, or float64 for float64 inputs (the reference
+precision: float64 always takes these twins).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _cdtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _ref_fwd(x, weight, bias, eps, residual, is_rms):
+    ct = _cdtype(x)
+    n = x.shape[-1]
+    xsum = (x.to(ct) + residual.to(ct)).to(x.dtype) if residual is not None else x
+    rows = math.prod(x.shape[:-1])
+    xs = xsum.to(ct).reshape(rows, n)
+    if is_rms:
+        mean = None
+        xc = xs
+    else:
+        mean = xs.mean(-1)
+        xc = xs - mean[:, None]
+    rstd = torch.rsqrt((xc * xc).mean(-1) + eps)
+    y = xc * rstd[:, None]
+    if weight is not None:
+        y = y * weight.to(ct)
+    if bias is not None:
+        y = y + bias.to(ct)
+    return y.to(x.dtype).reshape(x.shape), mean, rstd, xsum
+
+
+def _ref_bwd(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra, is_rms):
+    ct = _cdtype(xsum)
+    n = xsum.shape[-1]
+    pdtype = weight.dtype if weight is not None else xsum.dtype
+    rows = math.prod(xsum.shape[:-1])
+    xs = xsum.to(ct).reshape(rows, n)
+    g0 = dy.to(ct).reshape(rows, n)
+    r = rstd.to(ct)[:, None]
+    xhat = xs * r if is_rms else (xs - mean.to(ct)[:, None]) * r
+    g = g0 * weight.to(ct) if weight is not None else g0
+    dx = g - xhat * (g * xhat).mean(-1, keepdim=True)
+    if not is_rms:
+        dx = dx - g.mean(-1, keepdim=True)
+    dx = dx * r
+    if dxsum_extra is not None:
+        dx = dx + dxsum_extra.to(ct).reshape(rows, n)
+    dw = (g0 * xhat).sum(0).to(pdtype) if (need_dweight and weight is not None) else None
+    db = g0.sum(0).to(pdtype) if need_dbias else None
+    return dx.to(xsum.dtype).reshape(xsum.shape), dw, db
+
+
+def layernorm_fwd_ref(x, weight, bias, eps, residual=None):
+    """Pure-torch twin of :func:`~fusible_ops.kernels.norm.layernorm_fwd` (same contract; fp32
+    math, float64 for float64 x)."""
+    return _ref_fwd(x, weight, bias, eps, residual, False)
+
+
+def layernorm_bwd_ref(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra=None):
+    """Pure-torch twin of :func:`~fusible_ops.kernels.norm.layernorm_bwd` (same contract; fp32
+    math, float64 for float64 xsum)."""
+    return _ref_bwd(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra, False)
+
+
+def rmsnorm_fwd_ref(x, weight, eps, residual=None):
+    """Pure-torch twin of :func:`~fusible_ops.kernels.norm.rmsnorm_fwd` (same contract; fp32
+    math, float64 for float64 x)."""
+    y, _, rstd, xsum = _ref_fwd(x, weight, None, eps, residual, True)
+    return y, rstd, xsum
+
+
+def rmsnorm_bwd_ref(dy, xsum, weight, rstd, need_dweight, dxsum_extra=None):
+    """Pure-torch twin of :func:`~fusible_ops.kernels.norm.rmsnorm_bwd` (same contract; fp32
+    math, float64 for float64 xsum)."""
+    dx, dw, _ = _ref_bwd(dy, xsum, weight, None, rstd, need_dweight, False, dxsum_extra, True)
+    return dx, dw
+
+
+__all__ = ["layernorm_bwd_ref", "layernorm_fwd_ref", "rmsnorm_bwd_ref", "rmsnorm_fwd_ref"]
