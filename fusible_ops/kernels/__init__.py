@@ -103,6 +103,25 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Dtypes the Triton kernels serve (float64, the reference precision, always runs the ``*_ref``)."""
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def num_sms(device: torch.device, interpreter_programs: int = 2) -> int:
+    """Multiprocessors of ``device`` (the tensor's own device; the current device when it has no
+    index), cached per device. On CPU (Triton's interpreter) ``interpreter_programs``: a few
+    programs, so persistent loops really loop on tiny test shapes."""
+    if device.type != "cuda":
+        return interpreter_programs
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(idx)
+    if n is None:
+        n = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n
+
+
 def kernel_op(name: str, *, mutates_args=()):
     """Register a launcher as the ``torch.library`` custom op ``name`` (so ``torch.compile``
     traces it through its fake implementation), and return a callable that runs the launcher
@@ -128,4 +147,5 @@ def kernel_op(name: str, *, mutates_args=()):
     return wrap
 
 
-__all__ = ["HAS_TRITON", "current_mode", "interpreter_enabled", "kernel_op", "use", "use_triton"]
+__all__ = ["HAS_TRITON", "TRITON_DTYPES", "current_mode", "interpreter_enabled", "kernel_op", "num_sms", "use",
+           "use_triton"]

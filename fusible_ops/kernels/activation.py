@@ -24,12 +24,11 @@ kernel computes the input gradient and, in the same pass, the bias column sums
 ``dscales`` dot products.
 """
 
-import functools
 from typing import Optional
 
 import torch
 
-from fusible_ops.kernels import HAS_TRITON, kernel_op, use_triton
+from fusible_ops.kernels import HAS_TRITON, kernel_op, num_sms, use_triton
 from fusible_ops.kernels.activation_ref import (  # noqa: F401  (re-exported: one module to import)
     ACTIVATIONS,
     GATED,
@@ -256,17 +255,6 @@ _BWD_TILE = 2048
 _PROGS_PER_SM = 24
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return 2  # interpreter: few programs, so the row loops are exercised on tiny shapes
-
-
 def _act_fwd_launch(x, bias, scales, kind, dropout_p, seed):
     """seed: [1] int64 tensor on x's device when dropout_p > 0, else None."""
     act, gated = _check_kind(kind)
@@ -310,7 +298,7 @@ def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout
     num_warps = 8 if block_r * block_c >= 2048 else 4
     n_col_blocks = triton.cdiv(n_out, block_c)
     # enough programs to fill the GPU, each looping over a contiguous range of rows
-    n_row_progs = max(1, min(triton.cdiv(n_rows, block_r), (_PROGS_PER_SM * _num_sms(x.device)) // n_col_blocks))
+    n_row_progs = max(1, min(triton.cdiv(n_rows, block_r), (_PROGS_PER_SM * num_sms(x.device)) // n_col_blocks))
     rows_per_prog = triton.cdiv(triton.cdiv(n_rows, n_row_progs), block_r) * block_r
     n_row_progs = triton.cdiv(n_rows, rows_per_prog)
     f32 = dict(dtype=torch.float32, device=x.device)

@@ -22,13 +22,12 @@ are 16-byte aligned; else plain pointer loads
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional
 
 import torch
 
-from fusible_ops.kernels import HAS_TRITON, interpreter_enabled, kernel_op, use_triton
+from fusible_ops.kernels import HAS_TRITON, TRITON_DTYPES, interpreter_enabled, kernel_op, num_sms, use_triton
 
 if HAS_TRITON:
     import triton
@@ -275,12 +274,7 @@ AUTOTUNE = os.environ.get("FUSIBLE_OPS_GGEMM_AUTOTUNE", "1") != "0"
 _INTERP_MN = {"BM": 16, "BN": 16, "BK": 16, "GROUP_M": 2}
 _INTERP_WG = {"BN": 16, "BK": 16, "BR": 16, "GROUP_N": 2}
 _INTERP_PROGS = 3
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+_TRITON_DTYPES = TRITON_DTYPES
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -293,7 +287,7 @@ def _g_p2(G: int) -> int:
 
 def _persistent_grid(M: int, G: int, n_cols: int, device: torch.device):
     """Persistent grid: min(#SMs, upper bound of the tile count over any split of M rows)."""
-    progs = _INTERP_PROGS if device.type != "cuda" else _num_sms(device.index if device.index is not None else 0)
+    progs = num_sms(device, _INTERP_PROGS)
 
     def grid(meta):
         max_tiles = (triton.cdiv(M, meta["BM"]) + G) * triton.cdiv(n_cols, meta["BN"])

@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from . import HAS_TRITON, use_triton
+from . import HAS_TRITON, TRITON_DTYPES, kernel_op, num_sms, use_triton
 from .norm_ref import (  # noqa: F401  (re-exported: one module to import)
     layernorm_bwd_ref,
     layernorm_fwd_ref,
@@ -51,7 +51,7 @@ from .norm_ref import (  # noqa: F401  (re-exported: one module to import)
     rmsnorm_fwd_ref,
 )
 
-_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TRITON_DTYPES = TRITON_DTYPES
 
 # ---- configuration (explicit and small; tests shrink the thresholds to exercise the wide-row variants)
 _TILE = 2048  # elements per program tile when N is small (rows per program = _TILE // BLOCK_N)
@@ -390,18 +390,6 @@ def _bwd_config(n: int, rows: int) -> tuple[bool, int, int, int]:
     return (False,) + _fused_config(n, rows, fwd=False)
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2  # interpreter: few programs, so the persistent loops really loop
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def _rows2d(t: Optional[torch.Tensor], n: int, default: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[..., n] -> [rows, n] view (copy only if the last dim is strided or dims don't merge);
     ``default`` for a None ``t`` (a placeholder pointer for an absent input)."""
@@ -481,7 +469,7 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
     dx2 = dx.view(rows, n)
     sliced, block_m, block_n, warps = _bwd_config(n, rows)
     halves = not sliced and n >= _BWD_HALVES_MIN_N and not is_rms
-    sms = _num_sms(xsum.device)
+    sms = num_sms(xsum.device)
     if sliced:  # grid (slices, row programs); the slices of one row group run side by side
         n_slices = triton.cdiv(n, block_n)
         nprog = min(rows, max(1, 2 * sms // n_slices))
@@ -519,7 +507,7 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
 
 if HAS_TRITON:
 
-    @torch.library.custom_op("fusible_ops::layernorm_fwd", mutates_args=())
+    @kernel_op("fusible_ops::layernorm_fwd", mutates_args=())
     def _layernorm_fwd_op(
         x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
         residual: Optional[torch.Tensor],
@@ -530,7 +518,7 @@ if HAS_TRITON:
     def _(x, weight, bias, eps, residual):
         return _fwd_outputs(x, residual, False)
 
-    @torch.library.custom_op("fusible_ops::rmsnorm_fwd", mutates_args=())
+    @kernel_op("fusible_ops::rmsnorm_fwd", mutates_args=())
     def _rmsnorm_fwd_op(
         x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -549,7 +537,7 @@ if HAS_TRITON:
         db = xsum.new_empty(n if need_dbias else 0, dtype=pdtype)
         return xsum.new_empty(xsum.shape), dw, db
 
-    @torch.library.custom_op("fusible_ops::layernorm_bwd", mutates_args=())
+    @kernel_op("fusible_ops::layernorm_bwd", mutates_args=())
     def _layernorm_bwd_op(
         dy: torch.Tensor, xsum: torch.Tensor, weight: Optional[torch.Tensor], mean: torch.Tensor,
         rstd: torch.Tensor, need_dweight: bool, need_dbias: bool, dxsum_extra: Optional[torch.Tensor],
@@ -560,7 +548,7 @@ if HAS_TRITON:
     def _(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra):
         return _fake_bwd(xsum, weight, need_dweight, need_dbias)
 
-    @torch.library.custom_op("fusible_ops::rmsnorm_bwd", mutates_args=())
+    @kernel_op("fusible_ops::rmsnorm_bwd", mutates_args=())
     def _rmsnorm_bwd_op(
         dy: torch.Tensor, xsum: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor,
         need_dweight: bool, dxsum_extra: Optional[torch.Tensor],
@@ -603,7 +591,7 @@ def layernorm_fwd(x, weight, bias, eps, residual=None):
     """
     _check("layernorm_fwd", x, residual, weight=weight, bias=bias)
     if x.dtype in _TRITON_DTYPES and use_triton(x, weight, bias, residual):
-        y, mean, rstd, xsum = torch.ops.fusible_ops.layernorm_fwd(x, weight, bias, float(eps), residual)
+        y, mean, rstd, xsum = _layernorm_fwd_op(x, weight, bias, float(eps), residual)
         return y, mean, rstd, (xsum if residual is not None else x)
     return layernorm_fwd_ref(x, weight, bias, eps, residual)
 
@@ -620,7 +608,7 @@ def layernorm_bwd(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_
     """
     _check("layernorm_bwd", xsum, dy, weight=weight)
     if xsum.dtype in _TRITON_DTYPES and use_triton(dy, xsum, weight, mean, rstd, dxsum_extra):
-        dx, dw, db = torch.ops.fusible_ops.layernorm_bwd(
+        dx, dw, db = _layernorm_bwd_op(
             dy, xsum, weight, mean, rstd, bool(need_dweight), bool(need_dbias), dxsum_extra
         )
         return dx, (dw if need_dweight and weight is not None else None), (db if need_dbias else None)
@@ -636,7 +624,7 @@ def rmsnorm_fwd(x, weight, eps, residual=None):
     """
     _check("rmsnorm_fwd", x, residual, weight=weight)
     if x.dtype in _TRITON_DTYPES and use_triton(x, weight, residual):
-        y, rstd, xsum = torch.ops.fusible_ops.rmsnorm_fwd(x, weight, float(eps), residual)
+        y, rstd, xsum = _rmsnorm_fwd_op(x, weight, float(eps), residual)
         return y, rstd, (xsum if residual is not None else x)
     return rmsnorm_fwd_ref(x, weight, eps, residual)
 
@@ -649,7 +637,7 @@ def rmsnorm_bwd(dy, xsum, weight, rstd, need_dweight, dxsum_extra=None):
     """
     _check("rmsnorm_bwd", xsum, dy, weight=weight)
     if xsum.dtype in _TRITON_DTYPES and use_triton(dy, xsum, weight, rstd, dxsum_extra):
-        dx, dw = torch.ops.fusible_ops.rmsnorm_bwd(dy, xsum, weight, rstd, bool(need_dweight), dxsum_extra)
+        dx, dw = _rmsnorm_bwd_op(dy, xsum, weight, rstd, bool(need_dweight), dxsum_extra)
         return dx, (dw if need_dweight and weight is not None else None)
     return rmsnorm_bwd_ref(dy, xsum, weight, rstd, need_dweight, dxsum_extra)
 
