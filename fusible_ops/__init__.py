@@ -9,6 +9,7 @@ from . import kernels
 from .errors import check_errors, device_checks, set_device_checks
 from .fuser import OperationFuser
 from .grad import delayed_wgrad, flush_wgrad
+from .graphs import make_graphed_callables
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
 from .ops import (
     GEGLU, GELU, AddExtraInput, BasicLinear, Bias, ConstantScale, Dropout, GroupedLinear, Identity, LayerNorm,
@@ -26,6 +27,6 @@ __all__ = [
     "AddExtraInput", "BasicLinear", "BasicOperation", "Bias", "ConstantScale", "Dropout", "FusedOperation",
     "FusibleOperation", "FusionContext", "GEGLU", "GELU", "GroupedLinear", "Identity", "LayerNorm", "Linear",
     "MakeExtraOutput", "OperationContext", "OperationFuser", "ReGLU", "ReLU", "Reshape", "RMSNorm", "RuleSet",
-    "ScaledSwiGLU", "SiLU", "Sequential", "SwiGLU", "check_errors", "delayed_wgrad", "device_checks", "flush_wgrad", "fusion_rules", "kernels",
+    "ScaledSwiGLU", "SiLU", "Sequential", "SwiGLU", "check_errors", "delayed_wgrad", "device_checks", "flush_wgrad", "fusion_rules", "kernels", "make_graphed_callables",
     "match", "register_fusion", "set_device_checks",
 ]

@@ -208,11 +208,18 @@ class WeightGradMixin:
             return
         self.__dict__["_pending_wgrads"] = []
         params = []
-        for param, compute, token in pending:
-            with torch.no_grad():
-                _apply_now(self, param, compute, delayed=True, token=token)
-            if not any(p is param for p in params):
-                params.append(param)
+        for item in pending:
+            if isinstance(item, tuple):
+                param, compute, token = item
+                with torch.no_grad():
+                    _apply_now(self, param, compute, delayed=True, token=token)
+                done = (param,)
+            else:  # a captured delayed-wgrad graph (fusible_ops.graphs): replay it
+                item.run()
+                done = item.params
+            for param in done:
+                if not any(p is param for p in params):
+                    params.append(param)
         for p in params:
             p.skip_backward_post_hook = False
         for fn in list(self.__dict__["_wgrad_hooks"]):

@@ -155,6 +155,13 @@ class BasicOperation(FusibleOperation):
     PyTorch: the test helpers use it to check the op's math independently of its kernels.
 
     Calling the op directly (``op(x, *extra_inputs)``) runs it as a one-op fuser.
+
+    Pieces protocol (how a fused op reuses a basic op, instead of reaching into private
+    methods): every basic op with inputs to validate defines ``check_input(x)``, which raises the
+    error the op itself would raise for a bad input; an op whose ctx a fused op may fill defines
+    ``save_ctx(ctx, ...)``, which stores exactly what the op's backward reads. Flags in a ctx
+    that say whether a parameter's gradient is computed are named ``ctx.weight_grad`` and
+    ``ctx.bias_grad`` (``ctx.scales_grad`` for a gradient of an extra input), on every op.
     """
 
     num_extra_inputs: int = 0

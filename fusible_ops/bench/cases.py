@@ -236,6 +236,48 @@ def layernorm(ctx: BenchContext) -> Iterator[Bench]:
     )
 
 
+NORM_HIDDEN_SIZES = (1024, 2048, 4096, 8192, 16384)
+
+
+def norm_sizes(ctx: BenchContext) -> Iterator[Bench]:
+    """LayerNorm and RMSNorm fwd+bwd over 16384 tokens at each hidden size of NORM_HIDDEN_SIZES
+    (configs ``layernorm_N`` / ``rmsnorm_N``); eager is torch's F.layer_norm / F.rms_norm."""
+    M = ctx.size(16384, 64)
+    E = torch.tensor([], dtype=ctx.dtype).element_size()
+    for kind in ("layernorm", "rmsnorm"):
+        for n in NORM_HIDDEN_SIZES:
+            N = ctx.size(n, 64)
+            if kind == "layernorm":
+                op = fo.LayerNorm(N, eps=EPS, device=ctx.device, dtype=ctx.dtype)
+                w, b = op.weight, op.bias
+                _init_(b)
+
+                def eager(x, N=N, w=w, b=b):
+                    return F.layer_norm(x, (N,), w, b, EPS)
+                params, n_params = [w, b], 2
+            else:
+                op = fo.RMSNorm(N, eps=EPS, device=ctx.device, dtype=ctx.dtype)
+                w = op.weight
+
+                def eager(x, N=N, w=w):
+                    return F.rms_norm(x, (N,), w, EPS)
+                params, n_params = [w], 1
+            _init_(w, std=0.1, mean=1.0)
+            seq = fo.Sequential(op)
+
+            def new_copy(N=N):
+                return (ctx.randn(M, N, requires_grad=True),), ctx.randn(M, N)
+
+            yield Bench(
+                case="norm_sizes", config=f"{kind}_{n}", shape=_shape(M, N), dtype=ctx.dtype, metric="bytes",
+                work=E * (5 * M * N + 3 * n_params * N), new_copy=new_copy, params=params,
+                variants=_with_compile(ctx, {"fused": lambda x, seq=seq: seq(x), "eager": eager}, eager),
+                fused_module=seq, plan_args=lambda inp: inp, expected_rules=(),
+                notes={"fused": "single op (no rule): its Triton fwd/bwd kernels"},
+            )
+            del op, seq, params
+
+
 # ------------------------------------------------------------------------------------ MLP blocks
 def _mlp(ctx: BenchContext, gated: bool) -> Iterator[Bench]:
     T = ctx.size(16384, 32)
@@ -401,6 +443,8 @@ CASES: dict[str, Case] = {
                              residual_rmsnorm),
     "gelu_dropout": Case("GELU + Dropout(0.1) fwd+bwd at [16384, 16384]", gelu_dropout),
     "layernorm": Case("LayerNorm(16384) fwd+bwd at [16384, 16384]", layernorm),
+    "norm_sizes": Case("LayerNorm and RMSNorm fwd+bwd, 16384 tokens, hidden 1024..16384 (configs "
+                       "layernorm_N, rmsnorm_N)", norm_sizes),
     "mlp_block": Case("RMSNorm, Linear(4096,16384), GELU, Linear(16384,4096), residual; 16384 tokens", mlp_block),
     "mlp_block_swiglu": Case("RMSNorm, Linear(4096,2*16384), SwiGLU, Linear(16384,4096), residual; 16384 tokens",
                              mlp_block_swiglu),

@@ -486,7 +486,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.list:
         for name, case in CASES.items():
             print(f"{name:20s} {case.description}")
+        print(f"{'host_overhead':20s} host us per fwd+bwd call: ours eager vs PyTorch eager vs ours graphed "
+              f"(run alone: python -m fusible_ops.bench host_overhead)")
         return 0
+    if args.cases == ["host_overhead"]:
+        return _host_overhead(args)
     selected: list[tuple[str, Optional[str]]] = []
     for spec in args.cases or list(CASES):
         name, _, config = spec.partition(":")
@@ -576,6 +580,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(table)
     _log(f"wrote {paths['csv']}, {paths['jsonl']}, {paths['md']} (total {time.perf_counter() - t_start:.1f} s)")
     return 1 if n_failed else 0
+
+
+def _host_overhead(args) -> int:
+    from . import host
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    quick = bool(args.quick)
+    rows = host.run(device, warmup=5 if quick else 20, rep=10 if quick else 200)
+    table = host.markdown(rows, device_name(device))
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = os.path.join(args.out, f"host_overhead_{stamp}.md")
+    with open(path, "w") as f:
+        f.write(table + "\n")
+    print(table)
+    _log(f"wrote {path}")
+    return 0
 
 
 def _reset_compile() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.gemm import linear_fprop
 from ..op import FusedOperation
 from ..ops.activation import ACTIVATION_CLASSES, Activation
 from ..ops.linear import BasicLinear, Bias
@@ -58,34 +59,30 @@ class ForwardLinearBiasActivation(FusedOperation):
         ctx_of = {id(op): ctx for op, ctx in zip(self.basic_ops, ctxs)}
         lin, bias, act, drop = r["linear"], r["bias"], r["act"], r["dropout"]
         if lin is not None:
-            lin._check(x)
+            lin.check_input(x)
             if act is None:  # linear + bias only: one GEMM with the bias in its epilogue
-                _check_bias_for(bias, lin, x)
-                y = torch.nn.functional.linear(x, lin.weight, bias.bias)
-                self._fill_bias_ctx(ctx_of[id(bias)], bias)
+                bias.check_input(x, shape=(*x.shape[:-1], lin.out_features))
+                y = linear_fprop(x, lin.weight, bias.bias)
+                bias.save_ctx(ctx_of[id(bias)])
                 if ctx_of[id(lin)].requires_grad:
                     lin.save_ctx(ctx_of[id(lin)], x)
                 return y, [() for _ in ctxs]
-            z = torch.nn.functional.linear(x, lin.weight)
+            z = linear_fprop(x, lin.weight)
             if ctx_of[id(lin)].requires_grad:
                 lin.save_ctx(ctx_of[id(lin)], x)
         else:
             z = x
         b = None
         if bias is not None:
-            bias._check(z)
-            self._fill_bias_ctx(ctx_of[id(bias)], bias)
+            bias.check_input(z)
+            bias.save_ctx(ctx_of[id(bias)])
             b = bias.bias
-        act._check(z)
+        act.check_input(z)
         seed = drop.start(ctx_of[id(drop)], z) if drop is not None else None  # the Dropout seed protocol
         p = drop.p if seed is not None else 0.0
         y = _kernels().bias_act_fwd(z, b, act.kind, dropout_p=p, seed=seed)
         act.save_ctx(ctx_of[id(act)], z, bias=b)
         return y, [() for _ in ctxs]
-
-    @staticmethod
-    def _fill_bias_ctx(ctx, bias) -> None:
-        ctx.bias_requires_grad = ctx.requires_grad and bias.bias.requires_grad
 
 
 class BackwardBiasActivation(FusedOperation):
@@ -102,7 +99,7 @@ class BackwardBiasActivation(FusedOperation):
         actx = ctx_of[id(act)]
         seed = drop.seed_of(ctx_of[id(drop)]) if drop is not None else None
         p = drop.p if seed is not None else 0.0
-        need_dbias = bias is not None and ctx_of[id(bias)].bias_requires_grad
+        need_dbias = bias is not None and ctx_of[id(bias)].bias_grad
         grads = []
         if not actx.saved_tensors:  # nothing before needs a gradient
             dz, db = None, None
@@ -115,16 +112,6 @@ class BackwardBiasActivation(FusedOperation):
             grads.append((db,) if op is bias else ())
         dx = dz if ctxs[0].input_requires_grad else None
         return dx, grads, [() for _ in ctxs]
-
-
-def _check_bias_for(bias, lin, x) -> None:
-    """The checks Bias would make on the GEMM output, without computing it first."""
-    if bias.size != lin.out_features:
-        raise ValueError(f"Bias: size {bias.size} does not match BasicLinear out_features {lin.out_features}")
-    if bias.bias.device != x.device:
-        raise RuntimeError(f"Bias: input is on {x.device} but the op's parameters are on {bias.bias.device}")
-    if bias.bias.dtype != x.dtype:
-        raise TypeError(f"Bias: input dtype {x.dtype} does not match parameter dtype {bias.bias.dtype}")
 
 
 def _check_forward(ops, ctx):

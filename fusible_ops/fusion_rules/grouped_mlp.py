@@ -59,9 +59,8 @@ class FusedGroupedMLP(FusedOperation):
         if c1.requires_grad:
             fc1.save_ctx(c1, x2d, splits, x.shape)
             ca.save_for_backward(h, scales)
-            ca.scales_requires_grad = scaled and scales.requires_grad
-            fc2.save_ctx(c2, None, splits, y.shape)
-            c2.fc2_weight_grad = c2.weight_requires_grad and fc2.weight.requires_grad
+            ca.scales_grad = scaled and scales.requires_grad
+            fc2.save_ctx(c2, None, splits, y.shape)  # FC2's input y is recomputed in backward
         return out.reshape(*x.shape[:-1], fc2.out_features), [(), (), ()]
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
@@ -72,24 +71,24 @@ class FusedGroupedMLP(FusedOperation):
         h, scales = ca.saved_tensors
         _, w2, _ = c2.saved_tensors
         dy2 = dy.reshape(-1, fc2.out_features)
-        need_dh = c1.input_requires_grad or x2d is not None or c1.bias_requires_grad or ca.scales_requires_grad
+        need_dh = c1.input_requires_grad or c1.weight_grad or c1.bias_grad or ca.scales_grad
         dh = dscales = None
-        if need_dh or c2.fc2_weight_grad:
+        if need_dh or c2.weight_grad:
             dh, y, dscales = gm.grouped_dglu(dy2, w2 if w2 is not None else fc2.weight, splits, h, act.kind,
-                                              scales, ca.scales_requires_grad)
+                                              scales, ca.scales_grad)
         dw2 = None
-        if c2.fc2_weight_grad:
+        if c2.weight_grad:
             dw2 = deliver_weight_grad(fc2, fc2.weight,
                                       lambda out, acc: gg.grouped_gemm_wgrad(dy2, y, splits, out=out, accumulate=acc))
-        db2 = gg.grouped_bias_grad(dy2, splits) if c2.bias_requires_grad else None
+        db2 = gg.grouped_bias_grad(dy2, splits) if c2.bias_grad else None
         dx = None
         if c1.input_requires_grad:
             dx = gg.grouped_gemm_dgrad(dh, w1, splits).reshape(c1.input_shape)
         dw1 = None
-        if x2d is not None:
+        if c1.weight_grad:
             dw1 = deliver_weight_grad(fc1, fc1.weight,
                                       lambda out, acc: gg.grouped_gemm_wgrad(dh, x2d, splits, out=out, accumulate=acc))
-        db1 = gg.grouped_bias_grad(dh, splits) if c1.bias_requires_grad else None
+        db1 = gg.grouped_bias_grad(dh, splits) if c1.bias_grad else None
         g1 = (dw1, db1) if fc1.bias is not None else (dw1,)
         g2 = (dw2, db2) if fc2.bias is not None else (dw2,)
         if dscales is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..op import FusedOperation
-from ..ops._common import check_same
+from ..ops.validation import check_same
 from ..ops.misc import AddExtraInput, MakeExtraOutput
 from ..ops.norm import NORM_CLASSES
 from ..rules import rule
@@ -22,7 +22,7 @@ class ForwardAddNorm(FusedOperation):
         add, norm = self.basic_ops[0], self.basic_ops[-1]
         (residual,) = extra_inputs[0]
         check_same(add, "the extra input", residual, x)
-        norm._check(x)
+        norm.check_input(x)
         y, xsum = norm.norm_forward(ctxs[-1], x, residual=residual)
         extra = [()] * len(ctxs)
         if len(self.basic_ops) == 3:  # MakeExtraOutput returns the sum

@@ -17,7 +17,7 @@ import math
 import torch
 
 from ..op import BasicOperation
-from ._common import check_input
+from .validation import check_input
 
 
 def _kernels():
@@ -32,7 +32,8 @@ class Activation(BasicOperation):
     kind: str = ""
     gated: bool = False
 
-    def _check(self, x: torch.Tensor) -> None:
+    def check_input(self, x: torch.Tensor) -> None:
+        """Raise a clear error if ``x`` cannot be this activation's input."""
         check_input(self, x)
         if self.gated and (x.dim() == 0 or x.shape[-1] % 2 != 0):
             raise ValueError(f"{type(self).__name__}: the input's last dim must be even, got shape {list(x.shape)}")
@@ -51,7 +52,7 @@ class Activation(BasicOperation):
         ctx.act_bias = bias
 
     def op_forward(self, ctx, x, **kwargs):
-        self._check(x)
+        self.check_input(x)
         y = _kernels().bias_act_fwd(x, None, self.kind)
         self.save_ctx(ctx, x)
         return y
@@ -195,17 +196,17 @@ class ScaledSwiGLU(BasicOperation):
         scales = self.check_scales(x, given)
         y = _kernels().scaled_swiglu_fwd(x, scales)
         ctx.scales_shape = given.shape
-        ctx.scales_requires_grad = ctx.requires_grad and scales.requires_grad
-        if ctx.input_requires_grad or ctx.scales_requires_grad:
+        ctx.scales_grad = ctx.requires_grad and scales.requires_grad
+        if ctx.input_requires_grad or ctx.scales_grad:
             ctx.save_for_backward(x, scales)
         return y, [()]
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
         ctx = ctxs[0]
-        if not (ctx.input_requires_grad or ctx.scales_requires_grad):
+        if not (ctx.input_requires_grad or ctx.scales_grad):
             return None, [()], [(None,)]
         x, scales = ctx.saved_tensors
-        dx, dscales = _kernels().scaled_swiglu_bwd(dy, x, scales, ctx.scales_requires_grad)
+        dx, dscales = _kernels().scaled_swiglu_bwd(dy, x, scales, ctx.scales_grad)
         if dscales is not None:
             dscales = dscales.reshape(ctx.scales_shape)
         return (dx if ctx.input_requires_grad else None), [()], [(dscales,)]

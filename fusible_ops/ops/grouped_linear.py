@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 from ..errors import device_check
 from ..grad import WeightGradMixin, deliver_weight_grad
 from ..op import BasicOperation
-from ._common import check_input
+from .validation import check_input
 
 
 def check_split_sizes(op, split_sizes, num_groups: int, rows: int, device: torch.device) -> torch.Tensor:
@@ -33,6 +34,12 @@ def check_split_sizes(op, split_sizes, num_groups: int, rows: int, device: torch
             f"{name}: split sizes must have shape [{num_groups}] (one per group), got {list(split_sizes.shape)}"
         )
     if split_sizes.device.type == "cpu" and not torch.compiler.is_compiling():
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{name}: split sizes are a CPU tensor while a CUDA graph is being captured; the op would "
+                f"read them on the host and copy them to the GPU, which capture forbids. Pass them as a "
+                f"CUDA int64 tensor (they are then read on the device and may change between replays)"
+            )
         values = split_sizes.tolist()
         if any(v < 0 for v in values):
             raise ValueError(f"{name}: split sizes must be non-negative, got {values}")
@@ -119,14 +126,14 @@ class GroupedLinear(WeightGradMixin, BasicOperation):
 
         return grouped_gemm_fwd(x2d, self.weight, splits, self.bias)
 
-    def save_ctx(self, ctx, x2d: torch.Tensor, splits: torch.Tensor, input_shape) -> None:
-        ctx.save_for_backward(
-            x2d if ctx.weight_requires_grad and self.weight.requires_grad else None,
-            self.weight if ctx.input_requires_grad else None,
-            splits,
-        )
+    def save_ctx(self, ctx, x2d: Optional[torch.Tensor], splits: torch.Tensor, input_shape) -> None:
+        """What backward reads: x2d only for the weight gradient (``ctx.weight_grad``), the weight
+        only for dgrad, the split sizes; ``ctx.bias_grad``."""
+        ctx.weight_grad = ctx.weight_requires_grad and self.weight.requires_grad
+        ctx.save_for_backward(x2d if ctx.weight_grad else None, self.weight if ctx.input_requires_grad else None,
+                              splits)
         ctx.input_shape = input_shape
-        ctx.bias_requires_grad = ctx.requires_grad and self.bias is not None and self.bias.requires_grad
+        ctx.bias_grad = ctx.requires_grad and self.bias is not None and self.bias.requires_grad
 
     def backward_2d(self, ctx, dy2d: torch.Tensor) -> tuple:
         """(dx2d or None, (dweight, dbias)) from the saved ctx."""
@@ -135,13 +142,13 @@ class GroupedLinear(WeightGradMixin, BasicOperation):
         x2d, w, splits = ctx.saved_tensors
         dx = grouped_gemm_dgrad(dy2d, w, splits) if ctx.input_requires_grad else None
         dw = None
-        if x2d is not None:
+        if ctx.weight_grad:
             dw = deliver_weight_grad(
                 self,
                 self.weight,
                 lambda out, acc: grouped_gemm_wgrad(dy2d, x2d, splits, out=out, accumulate=acc),
             )
-        db = grouped_bias_grad(dy2d, splits) if ctx.bias_requires_grad else None
+        db = grouped_bias_grad(dy2d, splits) if ctx.bias_grad else None
         return dx, ((dw, db) if self.bias is not None else (dw,))
 
     # fuser interface ------------------------------------------------------------------------

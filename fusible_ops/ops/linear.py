@@ -9,7 +9,8 @@ import torch
 
 from ..grad import WeightGradMixin, deliver_weight_grad
 from ..op import BasicOperation, FusibleOperation
-from ._common import check_input, gemm_wgrad
+from ..kernels.gemm import linear_dgrad, linear_fprop, linear_wgrad
+from .validation import check_input
 
 
 class BasicLinear(WeightGradMixin, BasicOperation):
@@ -50,35 +51,33 @@ class BasicLinear(WeightGradMixin, BasicOperation):
     def _example(cls, n: int, **factory):
         return cls(n, n + 3, **factory), n + 3
 
-    # forward/backward pieces shared with fused ops ------------------------------------
-    def _check(self, x: torch.Tensor) -> None:
+    # pieces protocol (see BasicOperation) ----------------------------------------------
+    def check_input(self, x: torch.Tensor) -> None:
+        """Raise a clear error if ``x`` cannot be this linear's input."""
         check_input(self, x, features=self.in_features, like=self.weight)
 
     def save_ctx(self, ctx, x: torch.Tensor) -> None:
-        """What backward needs: x only for the weight gradient, the weight only for dgrad."""
-        ctx.save_for_backward(
-            x if ctx.weight_requires_grad and self.weight.requires_grad else None,
-            self.weight if ctx.input_requires_grad else None,
-        )
+        """What backward needs: x only for the weight gradient, the weight only for dgrad.
+        Sets ``ctx.weight_grad``."""
+        ctx.weight_grad = ctx.weight_requires_grad and self.weight.requires_grad
+        ctx.save_for_backward(x if ctx.weight_grad else None, self.weight if ctx.input_requires_grad else None)
         ctx.input_shape = x.shape
 
     def op_forward(self, ctx, x, **kwargs):
-        self._check(x)
-        y = torch.nn.functional.linear(x, self.weight)
+        self.check_input(x)
+        y = linear_fprop(x, self.weight)
         if ctx.requires_grad:
             self.save_ctx(ctx, x)
         return y
 
     def op_backward(self, ctx, dy):
         x, w = ctx.saved_tensors
-        dx = None
-        if ctx.input_requires_grad:
-            dx = (dy.reshape(-1, self.out_features) @ w).reshape(ctx.input_shape)
+        dy2d = dy.reshape(-1, self.out_features)
+        dx = linear_dgrad(dy2d, w).reshape(ctx.input_shape) if ctx.input_requires_grad else None
         dw = None
-        if x is not None:
-            dy2d = dy.reshape(-1, self.out_features)
+        if ctx.weight_grad:
             x2d = x.reshape(-1, self.in_features)
-            dw = deliver_weight_grad(self, self.weight, lambda out, acc: gemm_wgrad(dy2d, x2d, out, acc))
+            dw = deliver_weight_grad(self, self.weight, lambda out, acc: linear_wgrad(dy2d, x2d, out, acc))
         return dx, (dw,)
 
     def reference_forward(self, x):
@@ -104,16 +103,22 @@ class Bias(BasicOperation):
             op.bias.uniform_(-1, 1)
         return op, n
 
-    def _check(self, x):
-        check_input(self, x, features=self.size, like=self.bias)
+    def check_input(self, x: torch.Tensor, shape=None) -> None:
+        """Raise a clear error if ``x`` (or a tensor of ``shape`` with x's dtype and device, not
+        computed yet) cannot be this bias's input."""
+        check_input(self, x, features=self.size, like=self.bias, shape=shape)
+
+    def save_ctx(self, ctx) -> None:
+        """Sets ``ctx.bias_grad`` (the bias's backward saves no tensor)."""
+        ctx.bias_grad = ctx.requires_grad and self.bias.requires_grad
 
     def op_forward(self, ctx, x, **kwargs):
-        self._check(x)
-        ctx.bias_requires_grad = ctx.requires_grad and self.bias.requires_grad
+        self.check_input(x)
+        self.save_ctx(ctx)
         return x + self.bias
 
     def op_backward(self, ctx, dy):
-        db = dy.reshape(-1, self.size).sum(0) if ctx.bias_requires_grad else None
+        db = dy.reshape(-1, self.size).sum(0) if ctx.bias_grad else None
         return (dy if ctx.input_requires_grad else None), (db,)
 
     def reference_forward(self, x):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..op import BasicOperation
-from ._common import check_input, check_same
+from .validation import check_input, check_same
 
 
 class AddExtraInput(BasicOperation):

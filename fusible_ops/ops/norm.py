@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..op import BasicOperation
-from ._common import check_input
+from .validation import check_input
 
 
 def _kernels():
@@ -43,7 +43,8 @@ class _Norm(BasicOperation):
                 p.uniform_(0.5, 1.5)
         return op, n
 
-    def _check(self, x: torch.Tensor) -> None:
+    def check_input(self, x: torch.Tensor) -> None:
+        """Raise a clear error if ``x`` cannot be this norm's input."""
         check_input(self, x, features=self.size, like=self.weight, same_dtype=False)
 
     def norm_forward(self, ctx, x: torch.Tensor, residual=None):
@@ -51,7 +52,7 @@ class _Norm(BasicOperation):
         raise NotImplementedError
 
     def op_forward(self, ctx, x, **kwargs):
-        self._check(x)
+        self.check_input(x)
         y, _ = self.norm_forward(ctx, x)
         return y
 

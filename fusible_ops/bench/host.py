@@ -1,0 +1,203 @@
+"""``python -m fusible_ops.bench host_overhead``: host time per forward + backward call.
+
+Host time = CPU time to issue one call (the device is synchronized before each call, then the
+call is timed on the host without waiting for the device). Each workload is timed as ours in
+eager mode, as the plain-PyTorch equivalent in eager mode, and (CUDA) as ours replayed from a
+CUDA graph (:func:`fusible_ops.make_graphed_callables`). Medians over ``--rep`` calls after
+warm-up, with p20 / p80.
+
+Then one training step of a 4-block model (RMSNorm -> Linear -> SwiGLU -> Linear -> residual
+add, hidden 1024; CUDA only): device time per step (forward, backward, SGD update; CUDA events)
+eager vs graphed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import fusible_ops as fo
+
+from .harness import percentile
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_times_us(fn: Callable[[], None], device, warmup: int, rep: int) -> tuple[float, float, float]:
+    """(median, p20, p80) host microseconds to issue ``fn()``."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rep):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    _sync(device)
+    times.sort()
+    return statistics.median(times), percentile(times, 20), percentile(times, 80)
+
+
+def _fwd_bwd(fn, args, dy):
+    def call():
+        fn(*args).backward(dy)
+    return call
+
+
+def _workloads(device, dtype, small: bool):
+    """(name, shape, ours, ours_args, torch_fn, torch_args, dy)."""
+    kw = dict(device=device, dtype=dtype)
+
+    def rnd(*s, rg=True):
+        return torch.randn(*s, **kw).requires_grad_(rg)
+
+    # 1. dense chain
+    seq = fo.Sequential(fo.Linear(256, 256, **kw), fo.GELU(), fo.Linear(256, 256, **kw))
+    ref = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256)).to(**kw)
+    x = rnd(16, 256)
+    yield "dense3", "[16, 256]", seq, (x,), ref, (x,), torch.randn(16, 256, **kw)
+    # 2. SwiGLU
+    M, N = (64, 512) if small else (16384, 16384)
+    sw = fo.Sequential(fo.SwiGLU())
+
+    def swiglu(x):
+        a, b = x.chunk(2, dim=-1)
+        return F.silu(a) * b
+    x = rnd(M, N)
+    yield "swiglu", f"[{M}, {N}]", sw, (x,), swiglu, (x,), torch.randn(M, N // 2, **kw)
+    # 3. residual + RMSNorm
+    M, N = (64, 256) if small else (16384, 16384)
+    rn = fo.Sequential(fo.AddExtraInput(), fo.RMSNorm(N, **kw))
+    w = rn[1].weight
+
+    def rms(x, r):
+        return F.rms_norm(x + r, (N,), w, 1e-5)
+    x, r = rnd(M, N), rnd(M, N)
+    yield "residual_rmsnorm", f"[{M}, {N}]", rn, (x, r), rms, (x, r), torch.randn(M, N, **kw)
+    # 4. grouped MLP, 64 experts
+    E, T, H, Fd = (64, 256, 64, 32) if small else (64, 16384, 2048, 1408)
+    fc1 = fo.GroupedLinear(E, H, 2 * Fd, bias=False, **kw)
+    fc2 = fo.GroupedLinear(E, Fd, H, bias=False, **kw)
+    moe = fo.Sequential(fc1, fo.SwiGLU(), fc2)
+    splits = torch.full((E,), T // E, dtype=torch.int64, device=device)
+    offs = torch.cumsum(splits, 0).to(torch.int32)
+    w1, w2 = fc1.weight, fc2.weight
+
+    def grouped_mm(x):
+        h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+        a, b = h.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(a) * b, w2.transpose(-2, -1), offs=offs)
+
+    def loop(x):
+        outs = []
+        for g, xg in enumerate(torch.split(x, T // E)):
+            a, b = F.linear(xg, w1[g]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(a) * b, w2[g]))
+        return torch.cat(outs)
+    x = rnd(T, H)
+    peer = grouped_mm if device.type == "cuda" else loop
+    yield (f"grouped_mlp_{E}e", f"T={T} H={H} F={Fd}", moe, (x, splits, splits), peer, (x,),
+           torch.randn(T, H, **kw))
+
+
+class _Blocks(torch.nn.Module):
+    """``blocks`` x (RMSNorm -> Linear -> SwiGLU -> Linear -> + residual), one Sequential each."""
+
+    def __init__(self, device, dtype, hidden: int, blocks: int) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.blocks = torch.nn.ModuleList(
+            fo.Sequential(fo.RMSNorm(hidden, **kw), fo.Linear(hidden, 8 * hidden, **kw), fo.SwiGLU(),
+                          fo.Linear(4 * hidden, hidden, **kw), fo.AddExtraInput())
+            for _ in range(blocks))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x, x)
+        return x
+
+
+def run(device: torch.device, warmup: int = 20, rep: int = 200) -> list[dict]:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    small = device.type != "cuda"
+    rows = []
+    torch.manual_seed(0)
+    for name, shape, ours, ours_args, peer, peer_args, dy in _workloads(device, dtype, small):
+        row = {"workload": name, "shape": shape}
+        row["ours_us"] = host_times_us(_fwd_bwd(ours, ours_args, dy), device, warmup, rep)
+        row["torch_us"] = host_times_us(_fwd_bwd(peer, peer_args, dy), device, warmup, rep)
+        if device.type == "cuda":
+            static = tuple(a.detach().clone().requires_grad_(a.requires_grad) if a.is_floating_point() else a
+                           for a in ours_args)
+            graphed = fo.make_graphed_callables(ours, static)
+            row["graphed_us"] = host_times_us(_fwd_bwd(graphed, static, dy), device, warmup, rep)
+        rows.append(row)
+        del ours, peer
+    if device.type == "cuda":
+        rows.append(_training_step(device, dtype))
+    return rows
+
+
+def _training_step(device, dtype, hidden: int = 1024, blocks: int = 4, tokens: int = 4096) -> dict:
+    """Device time per training step (fwd + bwd + SGD), eager vs graphed, CUDA events."""
+    torch.manual_seed(0)
+    model = _Blocks(device, dtype, hidden, blocks)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(tokens, hidden, device=device, dtype=dtype)
+
+    def step(fn):
+        def call():
+            fn(x).backward(dy)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        return call
+
+    def device_ms(call, n=50):
+        for _ in range(10):
+            call()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(n):
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+    eager_ms = device_ms(step(model))
+    graphed = fo.make_graphed_callables(model, (x,))
+    graphed_ms = device_ms(step(graphed))
+    return {"workload": f"train_step_{blocks}x_block", "shape": f"hidden={hidden} tokens={tokens}",
+            "eager_step_ms": eager_ms, "graphed_step_ms": graphed_ms, "speedup": eager_ms / graphed_ms}
+
+
+def markdown(rows: list[dict], device: str) -> str:
+    lines = [f"host_overhead on {device}: host us per fwd+bwd call (median [p20, p80])", "",
+             "| workload | shape | ours eager | plain PyTorch eager | ours / PyTorch | ours graphed |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if "ours_us" not in r:
+            continue
+        o, t = r["ours_us"], r["torch_us"]
+        g = r.get("graphed_us")
+        gs = f"{g[0]:.0f} [{g[1]:.0f}, {g[2]:.0f}]" if g else "-"
+        lines.append(f"| {r['workload']} | {r['shape']} | {o[0]:.0f} [{o[1]:.0f}, {o[2]:.0f}] | "
+                     f"{t[0]:.0f} [{t[1]:.0f}, {t[2]:.0f}] | {o[0] / t[0]:.2f}x | {gs} |")
+    for r in rows:
+        if "eager_step_ms" in r:
+            lines += ["", f"{r['workload']} ({r['shape']}): eager {r['eager_step_ms']:.3f} ms/step, graphed "
+                          f"{r['graphed_step_ms']:.3f} ms/step, speedup {r['speedup']:.2f}x"]
+    return "\n".join(lines)
+
+
+__all__ = ["host_times_us", "markdown", "run"]
