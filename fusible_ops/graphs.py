@@ -196,7 +196,7 @@ def make_graphed_callables(modules: Callables, sample_args, *, num_warmup_iters:
     state.restore()
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
     graphed = torch.cuda.make_graphed_callables(mods, args, num_warmup_iters=0, allow_unused_input=True, pool=pool)
-    graphed = (graphed,) if single else tuple(graphed)
+    graphed = tuple(graphed)  # (torch returns a tuple for a tuple of callables)
     delayed = _capture_delayed(ops, pool)
     torch.cuda.synchronize()
     state.restore()

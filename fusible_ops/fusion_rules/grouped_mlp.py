@@ -42,7 +42,7 @@ class FusedGroupedMLP(FusedOperation):
         scaled = isinstance(act, ScaledSwiGLU)
         x2d, splits = fc1.prepare(x, extra_inputs[0][0])
         s2 = extra_inputs[2][0]
-        if s2 is not extra_inputs[0][0]:
+        if not _same_tensor(s2, extra_inputs[0][0]):
             splits2 = check_split_sizes(fc2, s2, fc2.num_groups, x2d.shape[0], x.device)
             if splits2.is_cuda or torch.compiler.is_compiling():
                 device_check(fc2, (splits2 == splits).all(), splits2, "FC2 split sizes must equal FC1's (fused grouped MLP)")
@@ -95,6 +95,16 @@ class FusedGroupedMLP(FusedOperation):
             dscales = dscales.to(scales.dtype).reshape(ca.scales_shape)
         extra_act = (dscales,) if isinstance(act, ScaledSwiGLU) else ()
         return dx, [g1, (), g2], [(None,), extra_act, (None,)]
+
+
+def _same_tensor(a, b) -> bool:
+    """``a`` and ``b`` are the same tensor, or views with the same storage, offset, shape and
+    strides (the fuser hands a tensor passed twice to autograd as an alias view)."""
+    if a is b:
+        return True
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device == b.device
+            and a.dtype == b.dtype and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride())
 
 
 def _check(ops, ctx):
