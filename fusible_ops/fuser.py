@@ -48,6 +48,15 @@ class Plan:
     # quantization recipe is part of the plan key
     op_kwargs: list[dict]
 
+    def __post_init__(self) -> None:
+        # What every call reads, computed once per plan (the host path stays short).
+        self.ctx_flags = [(self.requires_grad, i, w) for i, w in zip(self.input_requires_grad,
+                                                                      self.weight_requires_grad)]
+        self.forward_steps = [(g.op, g.indices, [self.op_kwargs[i] for i in g.indices]) for g in self.forward]
+        self.backward_steps = [(g.op, g.indices) for g in reversed(self.backward)
+                               if g.indices[-1] >= self.backward_stop]
+        self.backward_complete = all(g.indices[-1] >= self.backward_stop for g in self.backward)
+
 
 def _verify(ops: Sequence[BasicOperation], groups: list[Group], pass_: str) -> None:
     expanded = [op for g in groups for op in g.op.basic_ops]
@@ -78,6 +87,8 @@ class OperationFuser:
         self.num_extra_outputs = sum(self._num_extra_outputs)
         self._plans: dict[tuple, Plan] = {}
         self.num_plans_made = 0
+        self._no_extras = [()] * len(ops)
+        self._none_extra_grads = [(None,) * m for m in self._num_extra_inputs]
         self._versions: Optional[tuple] = None  # op state versions the slots below were made for
         self._slots: list[tuple[torch.nn.Module, str]] = []  # (owner module, name) per parameter
         self._param_counts: list[int] = []
@@ -93,6 +104,7 @@ class OperationFuser:
         """Recompute what depends only on the ops' state (run when a state version changed)."""
         self._slots = [(op.param_owner(n), n) for op in self.ops for n in op.param_names()]
         self._param_counts = [len(op.param_names()) for op in self.ops]
+        self._keyed_ops = [op for op in self.ops if type(op).plan_key is not BasicOperation.plan_key]
         self._parametrized = any(parametrize.is_parametrized(m, n) for m, n in self._slots)
         self._wgrad_flagged = any(
             getattr(op, "accumulate_into_main_grad", False) or getattr(op, "delay_wgrad_compute", False)
@@ -117,7 +129,7 @@ class OperationFuser:
             tuple([p.requires_grad for p in params]),
             tuple([isinstance(e, torch.Tensor) and e.requires_grad for e in extra_inputs]),
             self._versions,
-            tuple([op.plan_key() for op in self.ops]),
+            tuple([op.plan_key() for op in self._keyed_ops]),
             current_recipe(),
             rs.version,
             disabled_key(),
@@ -270,28 +282,25 @@ class _BackwardContext:
 class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(func_ctx, x, fuser: OperationFuser, plan: Plan, num_extra: int, *args):
-        ops = fuser.ops
-        extra_inputs = fuser._split_extra(args[:num_extra])
+        n = len(fuser.ops)
+        extra_inputs = fuser._split_extra(args[:num_extra]) if num_extra else fuser._no_extras
         ctxs = []
-        for i in range(len(ops)):
+        for rg, irg, wrg in plan.ctx_flags:
             c = OperationContext()
-            c.requires_grad = plan.requires_grad
-            c.input_requires_grad = plan.input_requires_grad[i]
-            c.weight_requires_grad = plan.weight_requires_grad[i]
+            c.requires_grad, c.input_requires_grad, c.weight_requires_grad = rg, irg, wrg
             ctxs.append(c)
-        kwargs = plan.op_kwargs
-        extra_outputs: list[tuple] = [()] * len(ops)
+        extra_outputs: list[tuple] = [()] * n
         y = x
-        for g in plan.forward:
-            idx = g.indices
-            y, ex = g.op.fuser_forward(
-                [ctxs[i] for i in idx],
-                y,
-                extra_inputs=[extra_inputs[i] for i in idx],
-                basic_op_kwargs=[kwargs[i] for i in idx],
-            )
-            for i, e in zip(idx, ex):
-                extra_outputs[i] = tuple(e)
+        for op, idx, kwargs in plan.forward_steps:
+            if len(idx) == 1:
+                i = idx[0]
+                y, ex = op.fuser_forward([ctxs[i]], y, extra_inputs=[extra_inputs[i]], basic_op_kwargs=kwargs)
+            else:
+                y, ex = op.fuser_forward([ctxs[i] for i in idx], y, extra_inputs=[extra_inputs[i] for i in idx],
+                                         basic_op_kwargs=kwargs)
+            if fuser.num_extra_outputs:
+                for i, e in zip(idx, ex):
+                    extra_outputs[i] = tuple(e)
         flat_extra_out = [t for e in extra_outputs for t in e]
         if plan.requires_grad:
             # Route every op's saved tensors through autograd (saved-tensor hooks, offloading,
@@ -308,6 +317,12 @@ class _FuserFunction(torch.autograd.Function):
         func_ctx.x_requires_grad = x.requires_grad
         # An output that is an input (or another output) gets its own alias so autograd can
         # attach a distinct grad_fn to it.
+        if not flat_extra_out:  # the common case: one output
+            if y is x or any(y is a for a in args):
+                y = y.view_as(y)
+            if not y.is_floating_point():
+                func_ctx.mark_non_differentiable(y)
+            return (y,)
         inputs = (x, *args)
         outs = []
         for t in (y, *flat_extra_out):
@@ -325,12 +340,14 @@ class _FuserFunction(torch.autograd.Function):
         plan: Plan = func_ctx.plan
         ctxs = func_ctx.op_ctxs
         ops = fuser.ops
-        n = len(ops)
-        grad_extra_out: list[tuple] = []
-        k = 0
-        for m in fuser._num_extra_outputs:
-            grad_extra_out.append(tuple(grad_extra_outputs_flat[k : k + m]))
-            k += m
+        if fuser.num_extra_outputs:
+            grad_extra_out: list[tuple] = []
+            k = 0
+            for m in fuser._num_extra_outputs:
+                grad_extra_out.append(tuple(grad_extra_outputs_flat[k : k + m]))
+                k += m
+        else:
+            grad_extra_out = fuser._no_extras
         # Views of the forward ctxs that carry the saved tensors: nothing created in forward is
         # mutated, so torch.compile can trace the backward too.
         saved, k, views = func_ctx.saved_tensors, 0, []
@@ -339,25 +356,24 @@ class _FuserFunction(torch.autograd.Function):
             k += m
         ctxs = views
         param_grads: list[tuple] = [(None,) * c for c in plan.param_counts]
-        grad_extra_in: list[tuple] = [tuple(None for _ in range(m)) for m in fuser._num_extra_inputs]
-        for g in reversed(plan.backward):
-            idx = g.indices
-            if idx[-1] < plan.backward_stop:
-                dy = None
-                break
-            dy, pg, ge = g.op.fuser_backward(
+        grad_extra_in: list[tuple] = list(fuser._none_extra_grads)
+        for op, idx in plan.backward_steps:
+            dy, pg, ge = op.fuser_backward(
                 [ctxs[i] for i in idx], dy, grad_extra_outputs=[grad_extra_out[i] for i in idx]
             )
             for j, i in enumerate(idx):
                 pg_i = tuple(pg[j])
                 if len(pg_i) != len(param_grads[i]):
                     raise RuntimeError(
-                        f"{type(g.op).__name__}.fuser_backward returned {len(pg_i)} param grads for "
+                        f"{type(op).__name__}.fuser_backward returned {len(pg_i)} param grads for "
                         f"{type(ops[i]).__name__}, which has {len(param_grads[i])} parameters"
                     )
                 param_grads[i] = pg_i
-                grad_extra_in[i] = tuple(ge[j]) if ge[j] is not None else grad_extra_in[i]
+                if ge[j] is not None:
+                    grad_extra_in[i] = tuple(ge[j])
                 ctxs[i].release()
+        if not plan.backward_complete:
+            dy = None
         dx = dy if func_ctx.x_requires_grad else None
         needs = func_ctx.needs_input_grad
         first = 4 + func_ctx.num_extra

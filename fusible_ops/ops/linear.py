@@ -72,11 +72,15 @@ class BasicLinear(WeightGradMixin, BasicOperation):
 
     def op_backward(self, ctx, dy):
         x, w = ctx.saved_tensors
-        dy2d = dy.reshape(-1, self.out_features)
-        dx = linear_dgrad(dy2d, w).reshape(ctx.input_shape) if ctx.input_requires_grad else None
+        dy2d = dy if dy.dim() == 2 else dy.reshape(-1, self.out_features)  # (a reshape costs host time)
+        dx = None
+        if ctx.input_requires_grad:
+            dx = linear_dgrad(dy2d, w)
+            if len(ctx.input_shape) != 2:
+                dx = dx.reshape(ctx.input_shape)
         dw = None
         if ctx.weight_grad:
-            x2d = x.reshape(-1, self.in_features)
+            x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)
             dw = deliver_weight_grad(self, self.weight, lambda out, acc: linear_wgrad(dy2d, x2d, out, acc))
         return dx, (dw,)
 
