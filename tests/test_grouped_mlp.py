@@ -114,9 +114,9 @@ GPU_CASES = [(a, torch.bfloat16) for a in ACTS] + [("swiglu", torch.float16), ("
 @pytest.mark.gpu
 @pytest.mark.parametrize("act,dtype", GPU_CASES)
 def test_gpu_matches_reference_odd_sizes(act, dtype, monkeypatch):
-    from fusible_ops.kernels import grouped_gemm
+    from fusible_ops.kernels import launch
 
-    monkeypatch.setattr(grouped_gemm, "AUTOTUNE", False)  # fixed configs: no tuning pass per shape
+    monkeypatch.setattr(launch, "AUTOTUNE", False)  # fixed configs: no tuning pass per shape
     seq = _mlp(act, G=5, H=72, F=40, dtype=dtype, device="cuda")
     assert_matches_reference(seq, *_inputs(act, torch.tensor([37, 0, 129, 1, 66]), H=72, dtype=dtype, device="cuda"))
 

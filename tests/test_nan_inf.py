@@ -31,7 +31,8 @@ import fusible_ops.kernels as K
 from fusible_ops.kernels import activation as A
 from fusible_ops.kernels import dropout as D
 from fusible_ops.kernels import grouped_gemm as gg
-from fusible_ops.kernels import grouped_mlp as gm
+from fusible_ops.kernels import launch
+from fusible_ops.kernels import grouped_glu as gm
 
 pytestmark = [  # the interpreter computes with numpy, which warns on inf * 0 and exp overflow
     pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning"),
@@ -267,7 +268,7 @@ def _glu(kind, h, s=None):
 
 @pytest.fixture
 def _fixed_configs(monkeypatch):
-    monkeypatch.setattr(gg, "AUTOTUNE", False)
+    monkeypatch.setattr(launch, "AUTOTUNE", False)
 
 
 @pytest.mark.usefixtures("_fixed_configs")

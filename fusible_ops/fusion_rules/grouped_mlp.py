@@ -27,9 +27,9 @@ from ..rules import match, rule
 
 
 def _mlp():
-    from ..kernels import grouped_gemm, grouped_mlp
+    from ..kernels import grouped_gemm, grouped_glu
 
-    return grouped_gemm, grouped_mlp
+    return grouped_gemm, grouped_glu
 
 
 class FusedGroupedMLP(FusedOperation):

@@ -103,49 +103,8 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-"""Dtypes the Triton kernels serve (float64, the reference precision, always runs the ``*_ref``)."""
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def num_sms(device: torch.device, interpreter_programs: int = 2) -> int:
-    """Multiprocessors of ``device`` (the tensor's own device; the current device when it has no
-    index), cached per device. On CPU (Triton's interpreter) ``interpreter_programs``: a few
-    programs, so persistent loops really loop on tiny test shapes."""
-    if device.type != "cuda":
-        return interpreter_programs
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    n = _SM_COUNT.get(idx)
-    if n is None:
-        n = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return n
-
-
-def kernel_op(name: str, *, mutates_args=()):
-    """Register a launcher as the ``torch.library`` custom op ``name`` (so ``torch.compile``
-    traces it through its fake implementation), and return a callable that runs the launcher
-    DIRECTLY in eager mode: eager calls skip the custom-op dispatch (its Python wrapper costs
-    far more host time than a Triton launch), traced calls go through the op.
-
-    The returned callable has ``register_fake`` (decorator, as on the op) and ``op``.
-    """
-
-    def wrap(fn):
-        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
-        is_compiling = torch.compiler.is_compiling
-
-        def call(*args):
-            return op(*args) if is_compiling() else fn(*args)
-
-        call.op = op
-        call.register_fake = op.register_fake
-        call.__name__ = fn.__name__
-        call.__doc__ = fn.__doc__
-        return call
-
-    return wrap
-
+# Launch utilities live in one module (re-exported here for the kernel families and users).
+from fusible_ops.kernels.launch import TRITON_DTYPES, kernel_op, num_sms  # noqa: E402
 
 __all__ = ["HAS_TRITON", "TRITON_DTYPES", "current_mode", "interpreter_enabled", "kernel_op", "num_sms", "use",
            "use_triton"]

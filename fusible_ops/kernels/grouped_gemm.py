@@ -1,101 +1,33 @@
 """Graph-safe grouped GEMM for MoE experts (Triton), beside pure-torch ``*_ref`` twins.
 
-Rows of ``x`` ([M, K]) are split into G consecutive groups by ``split_sizes`` (1-D int64,
-length G, on x's device); group g covers rows [off_g, off_g + m_g), off = exclusive cumsum.
-Empty groups and M == 0 are valid. ``sum(split_sizes) == M`` is the caller's contract: the
-kernels clamp groups to M (never read or write out of bounds) but rows past the sum stay
-unwritten.
+Rows of ``x`` ([M, K]) are split into G consecutive groups by ``split_sizes``; the grouping
+contract, the no-host-sync guarantee and the persistent tile space are those of
+:mod:`fusible_ops.kernels.persistent`, on which these kernels are built. fwd/dgrad walk the
+global tile space of all groups; wgrad has exactly G * cdiv(N, BN) * cdiv(K, BK) tiles.
 
-No host sync: split sizes are read on the device (one vector load + cumsum per program), the
-launch grid depends only on M, N, K, G and the SM count, so forward + backward can be
-captured in a ``torch.cuda.CUDAGraph`` and replayed with other split sizes of the same total.
-fwd/dgrad use a persistent grid that walks the global tile space of all groups (per group
-cdiv(m_g, BM) * cdiv(N, BN) tiles); wgrad has exactly G * cdiv(N, BN) * cdiv(K, BK) tiles.
-
-Autotuning (GPU only) is keyed on N, K and the dtype (never on M or the split values). It runs
-on the first call for a new (N, K, dtype): make one warm-up call before capturing a graph.
-On Hopper (Triton >= 3.3 with ``tl.make_tensor_descriptor``) loads go through TMA
-tensor descriptors (loads only; epilogues use masked pointer stores) when strides and pointers
-are 16-byte aligned; else plain pointer loads
-(always under the interpreter). ``FUSIBLE_OPS_GGEMM_TMA=0`` turns TMA off.
+Autotuning (GPU only, :class:`~fusible_ops.kernels.launch.TunedKernel`) is keyed on N, K, the
+dtype and flags (never on M or the split values); it runs on the first call of a key: make one
+warm-up call before capturing a graph. On Hopper loads go through TMA tensor descriptors when
+:func:`~fusible_ops.kernels.persistent.tma_ok` allows (epilogues use masked pointer stores).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from fusible_ops.kernels import HAS_TRITON, TRITON_DTYPES, interpreter_enabled, kernel_op, num_sms, use_triton
+from . import HAS_TRITON, interpreter_enabled, use_triton
+from .launch import TRITON_DTYPES, TunedKernel, compute_dtype, dot_precision, kernel_op
+from .persistent import (INTERP_MN, INTERP_WG, check_splits, group_p2, persistent_grid, same_dtype,
+                         tma_ok)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _group_table(split_ptr, G, M, G_P2: tl.constexpr):
-        """Per-group (row start, rows) as [G_P2] int32 vectors, clamped to [0, M]."""
-        gi = tl.arange(0, G_P2)
-        m = tl.load(split_ptr + gi, mask=gi < G, other=0).to(tl.int32)
-        m = tl.maximum(m, 0)
-        end_raw = tl.cumsum(m, 0)
-        start = tl.minimum(end_raw - m, M)
-        end = tl.minimum(end_raw, M)
-        return gi, start, end - start
-
-    @triton.jit
-    def _pick(vec, sel):
-        """The element of int vector ``vec`` where boolean vector ``sel`` is true (one place)."""
-        return tl.sum(tl.where(sel, vec, 0), 0)
-
-    @triton.jit
-    def _locate_tile(t, gi, start, m, tile_end, tiles, TILES_N, BM: tl.constexpr, GROUP_M: tl.constexpr):
-        """Global tile index t -> (group, group row start, group rows, m-tile, n-tile)."""
-        g = tl.sum((tile_end <= t).to(tl.int32), 0)
-        sel = gi == g
-        r0 = _pick(start, sel)
-        mg = _pick(m, sel)
-        local = t - _pick(tile_end - tiles, sel)
-        # GROUP_M swizzle inside the group: GROUP_M m-tiles share the weight tiles in L2.
-        num_m = tl.cdiv(mg, BM)
-        width = GROUP_M * TILES_N
-        first_m = (local // width) * GROUP_M
-        gsz = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (local % width) % gsz
-        pid_n = (local % width) // gsz
-        return g, r0, mg, pid_m, pid_n
-
-    @triton.jit
-    def _split_cols(acc, BM: tl.constexpr, BN: tl.constexpr):
-        """[BM, BN] -> ([BM, BN/2] columns [0, BN/2), [BM, BN/2] columns [BN/2, BN))."""
-        return tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
-
-    @triton.jit
-    def _mainloop(acc, a_ptr, a_desc, b_ptr, b_desc, g, row0, rows, rmask, n0, offs_n, nmask,
-                  KIN, s_am, s_ak, s_bg, s_bk, s_bn,
-                  B_KMAJOR: tl.constexpr, USE_TMA: tl.constexpr, PREC: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr):
-        """acc[BM, BN] += A[rows, :KIN] @ B_g[:KIN, n0:n0+BN] (fp32 accumulate)."""
-        if USE_TMA:
-            for k0 in range(0, KIN, BK):
-                a = a_desc.load([row0, k0])
-                if B_KMAJOR:
-                    b = tl.trans(tl.reshape(b_desc.load([g, n0, k0]), (BN, BK)))
-                else:
-                    b = tl.reshape(b_desc.load([g, k0, n0]), (BK, BN))
-                acc = tl.dot(a, b, acc, input_precision=PREC)
-        else:
-            a_row = a_ptr + rows.to(tl.int64)[:, None] * s_am
-            b_base = b_ptr + g.to(tl.int64) * s_bg + offs_n.to(tl.int64)[None, :] * s_bn
-            for k0 in range(0, KIN, BK):
-                offs_k = k0 + tl.arange(0, BK)
-                kmask = offs_k < KIN
-                a = tl.load(a_row + offs_k.to(tl.int64)[None, :] * s_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
-                b = tl.load(b_base + offs_k.to(tl.int64)[:, None] * s_bk, mask=kmask[:, None] & nmask[None, :],
-                            other=0.0)
-                acc = tl.dot(a, b, acc, input_precision=PREC)
-        return acc
+    from .persistent import (group_rows, mainloop, mn_config, operand_descs, split_cols, tile_coords, tile_space,
+                             wgrad_config)
 
     @triton.jit
     def _ggemm_kernel(
@@ -111,33 +43,14 @@ if HAS_TRITON:
         FLATTEN: tl.constexpr = False, PPS: tl.constexpr = 1,  # PPS: programs per SM (read by the grid)
     ):
         """C[rows of g] = A[rows of g] @ B_g (+ bias[g]); persistent over all groups' tiles."""
-        TILES_N = tl.cdiv(NOUT, BN)
-        gi, start, m = _group_table(split_ptr, G, M, G_P2)
-        tiles = tl.cdiv(m, BM) * TILES_N
-        tile_end = tl.cumsum(tiles, 0)
-        total = tl.sum(tiles, 0)
-        if USE_TMA:
-            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, KIN], strides=[s_am, 1], block_shape=[BM, BK])
-            if B_KMAJOR:
-                b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G, NOUT, KIN], strides=[s_bg, s_bn, 1],
-                                                   block_shape=[1, BN, BK])
-            else:
-                b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G, KIN, NOUT], strides=[s_bg, s_bk, 1],
-                                                   block_shape=[1, BK, BN])
-        else:
-            a_desc = a_ptr
-            b_desc = b_ptr
+        gi, start, m, tiles, tile_end, total, TILES_N = tile_space(split_ptr, G, M, NOUT, G_P2, BM, BN)
+        a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, KIN, NOUT, G, s_am, s_bg, s_bk, s_bn, B_KMAJOR, USE_TMA,
+                                       BM, BN, BK)
         for t in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
-            g, r0, mg, pid_m, pid_n = _locate_tile(t, gi, start, m, tile_end, tiles, TILES_N, BM, GROUP_M)
-            row0 = r0 + pid_m * BM
-            local_m = pid_m * BM + tl.arange(0, BM)
-            rmask = local_m < mg
-            rows = r0 + local_m
-            n0 = pid_n * BN
-            offs_n = n0 + tl.arange(0, BN)
-            nmask = offs_n < NOUT
+            g, row0, rows, rmask, n0, offs_n, nmask = tile_coords(t, gi, start, m, tile_end, tiles, TILES_N, NOUT,
+                                                                  BM, BN, GROUP_M)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            acc = _mainloop(acc, a_ptr, a_desc, b_ptr, b_desc, g, row0, rows, rmask, n0, offs_n, nmask,
+            acc = mainloop(acc, a_ptr, a_desc, b_ptr, b_desc, g, row0, rows, rmask, n0, offs_n, nmask,
                             KIN, s_am, s_ak, s_bg, s_bk, s_bn, B_KMAJOR, USE_TMA, PREC, BN, BK)
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + g.to(tl.int64) * s_biasg + offs_n.to(tl.int64) * s_biasn, mask=nmask, other=0.0)
@@ -181,10 +94,7 @@ if HAS_TRITON:
         gsz = tl.minimum(tiles_n - first_n, GROUP_N)
         pid_n = first_n + (local % width) % gsz
         pid_k = (local % width) // gsz
-        gi, start, m = _group_table(split_ptr, G, M, G_P2)
-        sel = gi == g
-        r0 = _pick(start, sel)
-        mg = _pick(m, sel)
+        r0, mg = group_rows(split_ptr, g, G, M, G_P2)
         n0 = pid_n * BN
         k0 = pid_k * BK
         offs_n = n0 + tl.arange(0, BN)
@@ -213,7 +123,7 @@ if HAS_TRITON:
                 acc = tl.dot(a, b, acc, input_precision=PREC)
         o_base = out_ptr + g.to(tl.int64) * s_og
         if ACCUMULATE and BK >= 128:  # read-modify-write in two column halves (register pressure)
-            acc0, acc1 = _split_cols(acc, BN, BK)
+            acc0, acc1 = split_cols(acc, BN, BK)
             _wgrad_store(acc0, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
             _wgrad_store(acc1, o_base, offs_n, nmask, k0 + BK // 2, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
         else:
@@ -230,10 +140,7 @@ if HAS_TRITON:
         """db[g, n-block] = sum of dy over the rows of group g (fp32), grid (tiles_n, G)."""
         pid_n = tl.program_id(0)
         g = tl.program_id(1)
-        gi, start, m = _group_table(split_ptr, G, M, G_P2)
-        sel = gi == g
-        r0 = _pick(start, sel)
-        mg = _pick(m, sel)
+        r0, mg = group_rows(split_ptr, g, G, M, G_P2)
         offs_n = pid_n * BN + tl.arange(0, BN)
         nmask = offs_n < N
         acc = tl.zeros((BR, BN), dtype=tl.float32)
@@ -243,111 +150,22 @@ if HAS_TRITON:
             acc += tl.load(ptrs, mask=(lr < mg)[:, None] & nmask[None, :], other=0.0).to(tl.float32)
         tl.store(db_ptr + g.to(tl.int64) * N + offs_n, tl.sum(acc, 0).to(db_ptr.dtype.element_ty), mask=nmask)
 
-    def _cfg(bm, bn, bk, warps, stages, pps=1, flat=False):
-        meta = {"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "PPS": pps}
-        if flat:  # (kernels default FLATTEN=False; the GLU-fwd kernel has no FLATTEN)
-            meta["FLATTEN"] = True
-        return triton.Config(meta, num_warps=warps, num_stages=stages)
-
-    def _wcfg(bn, bk, br, warps, stages):
-        return triton.Config({"BN": bn, "BK": bk, "BR": br, "GROUP_N": 8}, num_warps=warps, num_stages=stages)
-
     # Small explicit lists (Hopper, bf16/fp16 first; the small ones serve fp32 "ieee").
     # PPS=2 where two programs fit on an SM (<= 4 warps, <= ~110 KB shared memory); flat: the
     # persistent tile loop is flattened with the K loop (loads of the next tile overlap the epilogue).
-    _MN_CONFIGS = [_cfg(128, 256, 64, 8, 3), _cfg(128, 256, 64, 8, 4), _cfg(128, 256, 64, 8, 3, flat=True),
-                   _cfg(128, 128, 64, 4, 3, pps=2), _cfg(64, 128, 64, 4, 4, pps=2), _cfg(64, 64, 32, 4, 3, pps=2)]
+    _MN_CONFIGS = [mn_config(128, 256, 64, 8, 3), mn_config(128, 256, 64, 8, 4),
+                   mn_config(128, 256, 64, 8, 3, flat=True), mn_config(128, 128, 64, 4, 3, pps=2),
+                   mn_config(64, 128, 64, 4, 4, pps=2), mn_config(64, 64, 32, 4, 3, pps=2)]
     # wgrad: long per-group reductions like big tiles; short ones (many small groups) like a small
     # BR and several CTAs per SM (pipeline fill and epilogue of one overlap the others' mainloop).
-    _WG_CONFIGS = [_wcfg(128, 256, 64, 8, 3), _wcfg(128, 256, 32, 8, 4), _wcfg(128, 128, 64, 4, 3),
-                   _wcfg(128, 128, 32, 4, 4), _wcfg(128, 128, 32, 4, 3), _wcfg(64, 64, 32, 4, 3)]
-    _ggemm_tuned = triton.autotune(_MN_CONFIGS, key=["NOUT", "KIN", "USE_TMA", "B_KMAJOR", "HAS_BIAS"])(_ggemm_kernel)
-    _wgrad_tuned = triton.autotune(_WG_CONFIGS, key=["N", "K", "USE_TMA", "ACCUMULATE"],
-                                   restore_value=["out_ptr"])(_ggemm_wgrad_kernel)
-    # Configs used when AUTOTUNE is off: {kernel: (16-bit config, fp32 config)}.
-    FIXED_CONFIGS = {"mn": (_cfg(128, 128, 64, 8, 4), _MN_CONFIGS[5]), "wgrad": (_WG_CONFIGS[3], _WG_CONFIGS[5])}
-
-# Autotune on GPU (keyed on N, K, dtype and flags only). FUSIBLE_OPS_GGEMM_AUTOTUNE=0 (or setting
-# AUTOTUNE = False) uses FIXED_CONFIGS instead: no tuning pass, e.g. for tests.
-AUTOTUNE = os.environ.get("FUSIBLE_OPS_GGEMM_AUTOTUNE", "1") != "0"
-# Fixed tiny configs under the interpreter (no autotuning on CPU; persistent loop exercised).
-_INTERP_MN = {"BM": 16, "BN": 16, "BK": 16, "GROUP_M": 2}
-_INTERP_WG = {"BN": 16, "BK": 16, "BR": 16, "GROUP_N": 2}
-_INTERP_PROGS = 3
-_TRITON_DTYPES = TRITON_DTYPES
-
-
-def _prec(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _g_p2(G: int) -> int:
-    return max(2, triton.next_power_of_2(max(G, 1)))
-
-
-def _persistent_grid(M: int, G: int, n_cols: int, device: torch.device):
-    """Persistent grid: min(#SMs, upper bound of the tile count over any split of M rows)."""
-    progs = num_sms(device, _INTERP_PROGS)
-
-    def grid(meta):
-        max_tiles = (triton.cdiv(M, meta["BM"]) + G) * triton.cdiv(n_cols, meta["BN"])
-        return (max(1, min(progs * meta.get("PPS", 1), max_tiles)),)
-    return grid
-
-
-def _run(name: str, tuned, raw, grid, args, const, dtype: torch.dtype, device: torch.device, interp_meta) -> None:
-    """One launch: the interpreter's fixed tiny config, the autotuner, or FIXED_CONFIGS[name]."""
-    if device.type != "cuda":
-        raw[grid(interp_meta)](*args, **const, **interp_meta)
-    elif AUTOTUNE:
-        tuned[grid](*args, **const)
-    else:
-        cfg = FIXED_CONFIGS[name][1 if dtype == torch.float32 else 0]
-        raw[grid(cfg.kwargs)](*args, **const, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-
-
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """TMA descriptors need CUDA sm90+, a contiguous last dim, 16-byte aligned base and strides."""
-    if os.environ.get("FUSIBLE_OPS_GGEMM_TMA", "1") == "0" or interpreter_enabled():
-        return False
-    if not hasattr(tl, "make_tensor_descriptor") or not hasattr(triton, "set_allocator"):
-        return False
-    for t in tensors:
-        if not t.is_cuda or t.numel() == 0 or t.stride(-1) != 1 or t.data_ptr() % 16:
-            return False
-        if torch.cuda.get_device_capability(t.device)[0] < 9:
-            return False
-        if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
-            return False
-        if t.shape[-1] * t.element_size() < 16:
-            return False
-    # Device-side descriptors need a global scratch allocation (graph-capturable torch.empty).
-    # Triton keeps the allocator per thread (a context variable), and autograd runs backward on
-    # its own threads: set it on every call, not once per process.
-    triton.set_allocator(_tma_scratch)
-    return True
-
-
-def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _check(split_sizes: torch.Tensor, G: int, *tensors: torch.Tensor) -> None:
-    dev = tensors[0].device
-    if split_sizes.dim() != 1 or split_sizes.shape[0] != G:
-        raise ValueError(f"split_sizes must be 1-D of length G={G}, got {tuple(split_sizes.shape)}")
-    if split_sizes.dtype != torch.int64:
-        raise TypeError(f"split_sizes must be int64, got {split_sizes.dtype}")
-    for t in (split_sizes, *tensors):
-        if t.device != dev:
-            raise ValueError(f"all tensors must be on {dev}; got one on {t.device}")
-
-
-def _same_dtype(a: torch.Tensor, b: torch.Tensor) -> None:
-    if a.dtype != b.dtype:
-        raise TypeError(f"operands must share a dtype, got {a.dtype} and {b.dtype}")
+    _WG_CONFIGS = [wgrad_config(128, 256, 64, 8, 3), wgrad_config(128, 256, 32, 8, 4),
+                   wgrad_config(128, 128, 64, 4, 3), wgrad_config(128, 128, 32, 4, 4),
+                   wgrad_config(128, 128, 32, 4, 3), wgrad_config(64, 64, 32, 4, 3)]
+    # fixed configs (autotuning off): (16-bit inputs, fp32 inputs)
+    MN_KERNEL = TunedKernel(_ggemm_kernel, _MN_CONFIGS, ["NOUT", "KIN", "USE_TMA", "B_KMAJOR", "HAS_BIAS"],
+                            (mn_config(128, 128, 64, 8, 4), _MN_CONFIGS[5]), INTERP_MN)
+    WGRAD_KERNEL = TunedKernel(_ggemm_wgrad_kernel, _WG_CONFIGS, ["N", "K", "USE_TMA", "ACCUMULATE"],
+                               (_WG_CONFIGS[3], _WG_CONFIGS[5]), INTERP_WG, restore_value=["out_ptr"])
 
 
 def _launch_mn(a, b, c, bias, split, nout, kin, s_bk, s_bn, b_kmajor):
@@ -355,15 +173,15 @@ def _launch_mn(a, b, c, bias, split, nout, kin, s_bk, s_bn, b_kmajor):
     M, G = a.shape[0], b.shape[0]
     if M == 0 or nout == 0:
         return c
-    use_tma = kin > 0 and _tma_ok(a, b)
+    use_tma = kin > 0 and tma_ok(a, b)
     has_bias = bias is not None
     bias_arg = bias if has_bias else c
     s_biasg, s_biasn = (bias.stride(0), bias.stride(1)) if has_bias else (0, 0)
     args = (a, b, c, bias_arg, split, M, nout, kin, G, a.stride(0), a.stride(1), b.stride(0), s_bk, s_bn,
             c.stride(0), c.stride(1), s_biasg, s_biasn)
-    const = dict(HAS_BIAS=has_bias, B_KMAJOR=b_kmajor, USE_TMA=use_tma, PREC=_prec(a.dtype), G_P2=_g_p2(G))
-    _run("mn", _ggemm_tuned, _ggemm_kernel, _persistent_grid(M, G, nout, a.device), args, const, a.dtype, a.device,
-         _INTERP_MN)
+    const = dict(HAS_BIAS=has_bias, B_KMAJOR=b_kmajor, USE_TMA=use_tma, PREC=dot_precision(a.dtype),
+                 G_P2=group_p2(G))
+    MN_KERNEL.launch(persistent_grid(M, G, nout, a.device), args, const, a.dtype, a.device)
     return c
 
 
@@ -372,13 +190,12 @@ def _launch_wgrad(dy, x, out, split, accumulate):
     K, G = x.shape[1], out.shape[0]
     if G == 0 or N == 0 or K == 0:
         return out
-    use_tma = M > 0 and _tma_ok(dy, x)
+    use_tma = M > 0 and tma_ok(dy, x)
     args = (dy, x, out, split, M, N, K, G, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
             out.stride(0), out.stride(1), out.stride(2))
-    const = dict(ACCUMULATE=accumulate, USE_TMA=use_tma, PREC=_prec(x.dtype), G_P2=_g_p2(G))
-    _run("wgrad", _wgrad_tuned, _ggemm_wgrad_kernel,
-         lambda meta: (G * triton.cdiv(N, meta["BN"]) * triton.cdiv(K, meta["BK"]),), args, const, x.dtype, x.device,
-         _INTERP_WG)
+    const = dict(ACCUMULATE=accumulate, USE_TMA=use_tma, PREC=dot_precision(x.dtype), G_P2=group_p2(G))
+    WGRAD_KERNEL.launch(lambda meta: (G * triton.cdiv(N, meta["BN"]) * triton.cdiv(K, meta["BK"]),), args, const,
+                        x.dtype, x.device)
     return out
 
 
@@ -438,7 +255,7 @@ def _grouped_bias_grad_op(dy: torch.Tensor, split_sizes: torch.Tensor) -> torch.
     BN = 16 if (interpreter_enabled() and not dy.is_cuda) else 64
     BR = 16 if BN == 16 else 32
     _group_colsum_kernel[(triton.cdiv(N, BN), G)](dy, db, split_sizes, M, N, G, dy.stride(0), dy.stride(1),
-                                                   G_P2=_g_p2(G), BR=BR, BN=BN)
+                                                   G_P2=group_p2(G), BR=BR, BN=BN)
     return db
 
 
@@ -457,9 +274,9 @@ def grouped_gemm_fwd(x: torch.Tensor, w: torch.Tensor, split_sizes: torch.Tensor
     fp32 inputs use IEEE fp32 dot). Any strides; sync-free; one launch.
     """
     G = w.shape[0]
-    _check(split_sizes, G, x, w, *([bias] if bias is not None else []))
-    _same_dtype(x, w)
-    if use_triton(x, w, split_sizes, bias) and x.dtype in _TRITON_DTYPES:
+    check_splits(split_sizes, G, x, w, *([bias] if bias is not None else []))
+    same_dtype(x, w)
+    if use_triton(x, w, split_sizes, bias) and x.dtype in TRITON_DTYPES:
         return _grouped_gemm_fwd_op(x, w, split_sizes, bias)
     return grouped_gemm_fwd_ref(x, w, split_sizes, bias)
 
@@ -469,9 +286,9 @@ def grouped_gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, split_sizes: torch.Ten
 
     dy [M, N], w [G, N, K], split_sizes [G] int64. Returns dx [M, K] in dy's dtype (fp32 accumulate).
     """
-    _check(split_sizes, w.shape[0], dy, w)
-    _same_dtype(dy, w)
-    if use_triton(dy, w, split_sizes) and dy.dtype in _TRITON_DTYPES:
+    check_splits(split_sizes, w.shape[0], dy, w)
+    same_dtype(dy, w)
+    if use_triton(dy, w, split_sizes) and dy.dtype in TRITON_DTYPES:
         return _grouped_gemm_dgrad_op(dy, w, split_sizes)
     return grouped_gemm_dgrad_ref(dy, w, split_sizes)
 
@@ -486,12 +303,12 @@ def grouped_gemm_wgrad(dy: torch.Tensor, x: torch.Tensor, split_sizes: torch.Ten
     (new / overwrite) or stay untouched (accumulate). Returns ``out`` or the new tensor.
     """
     G = split_sizes.shape[0]
-    _check(split_sizes, G, dy, x, *([out] if out is not None else []))
-    _same_dtype(dy, x)
+    check_splits(split_sizes, G, dy, x, *([out] if out is not None else []))
+    same_dtype(dy, x)
     if out is not None and tuple(out.shape) != (G, dy.shape[1], x.shape[1]):
         raise ValueError(f"out must be [G, N, K] = {(G, dy.shape[1], x.shape[1])}, got {tuple(out.shape)}")
-    if use_triton(dy, x, split_sizes, out) and x.dtype in _TRITON_DTYPES and (
-            out is None or out.dtype in _TRITON_DTYPES):
+    if use_triton(dy, x, split_sizes, out) and x.dtype in TRITON_DTYPES and (
+            out is None or out.dtype in TRITON_DTYPES):
         if out is None:
             return _grouped_gemm_wgrad_op(dy, x, split_sizes)
         _grouped_gemm_wgrad_out_op(dy, x, split_sizes, out, accumulate)
@@ -504,8 +321,8 @@ def grouped_bias_grad(dy: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tens
 
     Deterministic (no atomics), sync-free; empty groups give zeros.
     """
-    _check(split_sizes, split_sizes.shape[0], dy)
-    if use_triton(dy, split_sizes) and dy.dtype in _TRITON_DTYPES:
+    check_splits(split_sizes, split_sizes.shape[0], dy)
+    if use_triton(dy, split_sizes) and dy.dtype in TRITON_DTYPES:
         return _grouped_bias_grad_op(dy, split_sizes)
     return grouped_bias_grad_ref(dy, split_sizes)
 
@@ -529,14 +346,10 @@ def _group_mask(split_sizes: torch.Tensor, rows: int, device) -> torch.Tensor:
     return ((r >= (ends - sizes)[:, None]) & (r < ends[:, None]))[..., None]
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def grouped_gemm_fwd_ref(x: torch.Tensor, w: torch.Tensor, split_sizes: torch.Tensor,
                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Pure-torch twin of :func:`grouped_gemm_fwd` (per-group loop, fp32 math, syncs)."""
-    acc = _acc_dtype(x.dtype)
+    acc = compute_dtype(x.dtype)
     if torch.compiler.is_compiling():
         r = x.to(acc)[None] @ w.to(acc).transpose(1, 2)
         if bias is not None:
@@ -554,7 +367,7 @@ def grouped_gemm_fwd_ref(x: torch.Tensor, w: torch.Tensor, split_sizes: torch.Te
 
 def grouped_dgrad_acc_ref(dy: torch.Tensor, w: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
     """``dx_g = dy_g @ w[g]`` in the accumulation dtype (fp32; fp64 for fp64), not cast back."""
-    acc = _acc_dtype(dy.dtype)
+    acc = compute_dtype(dy.dtype)
     if torch.compiler.is_compiling():
         r = dy.to(acc)[None] @ w.to(acc)
         return torch.where(_group_mask(split_sizes, dy.shape[0], dy.device), r, 0).sum(0)
@@ -573,7 +386,7 @@ def grouped_gemm_dgrad_ref(dy: torch.Tensor, w: torch.Tensor, split_sizes: torch
 def grouped_gemm_wgrad_ref(dy: torch.Tensor, x: torch.Tensor, split_sizes: torch.Tensor,
                            out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
     """Pure-torch twin of :func:`grouped_gemm_wgrad` (same out / accumulate semantics)."""
-    acc = _acc_dtype(x.dtype)
+    acc = compute_dtype(x.dtype)
     G = split_sizes.shape[0]
     if out is None:
         out = torch.empty((G, dy.shape[1], x.shape[1]), dtype=x.dtype, device=x.device)
@@ -596,7 +409,7 @@ def grouped_gemm_wgrad_ref(dy: torch.Tensor, x: torch.Tensor, split_sizes: torch
 
 def grouped_bias_grad_ref(dy: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
     """Pure-torch twin of :func:`grouped_bias_grad`."""
-    acc = _acc_dtype(dy.dtype)
+    acc = compute_dtype(dy.dtype)
     G = split_sizes.shape[0]
     if torch.compiler.is_compiling():
         mask = _group_mask(split_sizes, dy.shape[0], dy.device)

@@ -10,6 +10,7 @@ import torch
 
 import fusible_ops.kernels as K
 from fusible_ops.kernels import grouped_gemm as gg
+from fusible_ops.kernels import launch
 from fusible_ops.testing import assert_close, assert_close_norm
 
 CUDA = torch.cuda.is_available()
@@ -18,7 +19,7 @@ CUDA = torch.cuda.is_available()
 @pytest.fixture(autouse=True)
 def _fixed_configs(monkeypatch):
     """No autotuning in tests (one compile per variant); test_gpu_autotuned* opt back in."""
-    monkeypatch.setattr(gg, "AUTOTUNE", False)
+    monkeypatch.setattr(launch, "AUTOTUNE", False)
 DEV = "cuda" if CUDA else "cpu"
 LOW = [torch.float32, torch.float16]  # dot dtypes the interpreter computes right
 
@@ -160,7 +161,7 @@ def test_tma_path_logic_under_interpreter(monkeypatch):
     """The TMA (tensor-descriptor) code path, run by the interpreter: same results."""
     if CUDA:
         pytest.skip("covered by the GPU tests")
-    monkeypatch.setattr(gg, "_tma_ok", lambda *t: True)
+    monkeypatch.setattr(gg, "tma_ok", lambda *t: True)
     dtype = torch.float16
     x, w, b, dy, split = _data(70, 32, 48, [20, 0, 37, 13], dtype)
     with K.use("triton"):
@@ -243,7 +244,7 @@ def test_gpu_pointer_path_matches(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_autotuned_large(monkeypatch):
     """Autotuned configs (one shape): fwd/dgrad/wgrad vs float64 math."""
-    monkeypatch.setattr(gg, "AUTOTUNE", True)
+    monkeypatch.setattr(launch, "AUTOTUNE", True)
     x, w, b, dy, split = _data(4096, 512, 768, [1000, 0, 2000, 1096], torch.bfloat16, "cuda")
     assert_close_norm(gg.grouped_gemm_fwd(x, w, split), fwd64(x, w, split), torch.bfloat16)
     assert_close_norm(gg.grouped_gemm_dgrad(dy, w, split), dgrad64(dy, w, split), torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Fused grouped-GLU kernels (fusible_ops.kernels.grouped_mlp) vs refs vs float64 autograd math."""
+"""Fused grouped-GLU kernels (fusible_ops.kernels.grouped_glu) vs refs vs float64 autograd math."""
 
 import pytest
 import torch
@@ -6,7 +6,8 @@ import torch.nn.functional as Fn
 
 import fusible_ops.kernels as K
 from fusible_ops.kernels import grouped_gemm as gg
-from fusible_ops.kernels import grouped_mlp as gm
+from fusible_ops.kernels import launch
+from fusible_ops.kernels import grouped_glu as gm
 from fusible_ops.testing import assert_close, assert_close_norm
 
 CUDA = torch.cuda.is_available()
@@ -15,7 +16,7 @@ CUDA = torch.cuda.is_available()
 @pytest.fixture(autouse=True)
 def _fixed_configs(monkeypatch):
     """No autotuning in tests (one compile per variant); test_gpu_autotuned* opt back in."""
-    monkeypatch.setattr(gg, "AUTOTUNE", False)
+    monkeypatch.setattr(launch, "AUTOTUNE", False)
 DEV = "cuda" if CUDA else "cpu"
 KINDS = ["swiglu", "geglu", "geglu_tanh", "scaled_swiglu"]
 
@@ -157,7 +158,7 @@ def test_zero_rows():
 def test_tma_path_logic_under_interpreter(monkeypatch):
     if CUDA:
         pytest.skip("covered by the GPU tests")
-    monkeypatch.setattr(gg, "_tma_ok", lambda *t: True)
+    monkeypatch.setattr(gm, "tma_ok", lambda *t: True)
     dtype = torch.float16
     x, w1, b1, w2, dy2, scales, split = _data(70, 24, 48, 32, [20, 0, 37, 13], dtype, "scaled_swiglu")
     h = _check_fwd(x, w1, split, b1, "scaled_swiglu", scales, dtype)
@@ -200,7 +201,7 @@ def test_gpu_glu_fwd_and_dglu(M, F, Kd, H, splits, kind, dtype):
 
 @pytest.mark.gpu
 def test_gpu_autotuned(monkeypatch):
-    monkeypatch.setattr(gg, "AUTOTUNE", True)
+    monkeypatch.setattr(launch, "AUTOTUNE", True)
     x, w1, b1, w2, dy2, scales, split = _data(4096, 384, 512, 512, [1000, 0, 2000, 1096], torch.bfloat16,
                                               "scaled_swiglu", "cuda")
     h = _check_fwd(x, w1, split, None, "scaled_swiglu", scales, torch.bfloat16)

@@ -4,8 +4,12 @@ Same grouping contract as :mod:`fusible_ops.kernels.grouped_gemm` (split_sizes [
 device, empty groups valid, no host sync, persistent grid sized from host-known values, one
 launch per op, autotune keyed on the feature sizes only: warm up once before graph capture).
 
+Built on :mod:`fusible_ops.kernels.persistent` (group table, tile space, mainloop, TMA check);
+the activation comes from the one table, :mod:`fusible_ops.kernels.act_table` (the same formulas
+as the elementwise kernels, e.g. the Chebyshev erfc for exact GELU).
+
 GLU on h [.., 2F]: a = h[..., :F], b = h[..., F:], glu(h) = act(a) * b (the FIRST half goes
-through the activation). kinds: ``"swiglu"`` (silu), ``"geglu"`` (exact erf gelu),
+through the activation). kinds: ``"swiglu"`` (silu), ``"geglu"`` (exact gelu),
 ``"geglu_tanh"`` (tanh-approximated gelu) and ``"scaled_swiglu"`` (swiglu times a per-row scale,
 e.g. routing probabilities; ``scales`` required). ``scales`` may also be given with other kinds.
 
@@ -23,36 +27,21 @@ from typing import Optional
 
 import torch
 
-from fusible_ops.kernels import HAS_TRITON, interpreter_enabled, kernel_op, use_triton
-from fusible_ops.kernels import grouped_gemm as _gg
+from . import HAS_TRITON, interpreter_enabled, use_triton
+from .act_table import ACT_IDS, GLU_BASE, act_and_grad_ref, dact_ref
+from .grouped_gemm import grouped_dgrad_acc_ref, grouped_gemm_fwd_ref
+from .launch import TRITON_DTYPES, TunedKernel, compute_dtype, dot_precision, kernel_op
+from .persistent import INTERP_MN, check_splits, group_p2, persistent_grid, same_dtype, tma_ok
 
-_KINDS = {"swiglu": 0, "scaled_swiglu": 0, "geglu": 1, "geglu_tanh": 2}
+KINDS = ("swiglu", "scaled_swiglu", "geglu", "geglu_tanh")
+"""The GLU kinds of these kernels (the activation of each: :data:`~.act_table.GLU_BASE`)."""
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from fusible_ops.kernels.grouped_gemm import _group_table, _locate_tile, _mainloop, _split_cols
-
-    @triton.jit
-    def _act(a, KIND: tl.constexpr):
-        """(act(a), act'(a)) in fp32; KIND 0 silu, 1 erf-gelu, 2 tanh-gelu (unused act' is DCE'd).
-        NaN/Inf as torch (table in kernels.activation_ref): each formula saturates at +-Inf (tanh
-        via exp, no inf - inf) and propagates NaN; gradients are applied as products."""
-        if KIND == 0:
-            s = 1.0 / (1.0 + tl.exp(-a))
-            act = a * s
-            d = s * (1.0 + a * (1.0 - s))
-        elif KIND == 1:
-            cdf = 0.5 * (1.0 + tl.erf(a * 0.7071067811865476))
-            act = a * cdf
-            d = cdf + a * tl.exp(-0.5 * a * a) * 0.3989422804014327
-        else:
-            u = 0.7978845608028654 * (a + 0.044715 * a * a * a)
-            t = 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0  # tanh(u), overflow-safe
-            act = 0.5 * a * (1.0 + t)
-            d = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * a * a)
-        return act, d
+    from .act_table import act_and_grad, dact
+    from .persistent import mainloop, mn_config, operand_descs, split_cols, tile_coords, tile_space
 
     @triton.jit
     def _glu_fwd_kernel(
@@ -65,31 +54,22 @@ if HAS_TRITON:
         split_ptr,  # [G] int64
         M, F, K, G,
         s_xm, s_xk, s_wg, s_wn, s_wk, s_hm, s_hn, s_ym, s_yn, s_bg, s_bn, s_s,
-        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, KIND: tl.constexpr, USE_TMA: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACT: tl.constexpr, USE_TMA: tl.constexpr,
         PREC: tl.constexpr, G_P2: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
         PPS: tl.constexpr = 1,  # programs per SM (read by the grid)
     ):
         """h = x_g @ w1[g].T (+ b1[g]); y = act(h_a) * h_b (* scale); persistent over all tiles."""
-        TILES_N = tl.cdiv(F, BN)
-        gi, start, m = _group_table(split_ptr, G, M, G_P2)
-        tiles = tl.cdiv(m, BM) * TILES_N
-        tile_end = tl.cumsum(tiles, 0)
-        total = tl.sum(tiles, 0)
+        gi, start, m, tiles, tile_end, total, TILES_N = tile_space(split_ptr, G, M, F, G_P2, BM, BN)
         if USE_TMA:
             x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[s_xm, 1], block_shape=[BM, BK])
             w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, 2 * F, K], strides=[s_wg, s_wn, 1],
                                                block_shape=[1, BN, BK])
         # plain range: tl.range(flatten=False) costs 33 KB more shared memory here (Triton 3.6)
         for t in range(tl.program_id(0), total, tl.num_programs(0)):
-            g, r0, mg, pid_m, pid_n = _locate_tile(t, gi, start, m, tile_end, tiles, TILES_N, BM, GROUP_M)
-            row0 = r0 + pid_m * BM
-            local_m = pid_m * BM + tl.arange(0, BM)
-            rmask = local_m < mg
-            rows = (r0 + local_m).to(tl.int64)
-            n0 = pid_n * BN
-            offs_n = n0 + tl.arange(0, BN)
-            nmask = offs_n < F
+            g, row0, rows, rmask, n0, offs_n, nmask = tile_coords(t, gi, start, m, tile_end, tiles, TILES_N, F,
+                                                                  BM, BN, GROUP_M)
+            rows = rows.to(tl.int64)
             acc_a = tl.zeros((BM, BN), dtype=tl.float32)
             acc_b = tl.zeros((BM, BN), dtype=tl.float32)
             if USE_TMA:
@@ -122,7 +102,7 @@ if HAS_TRITON:
             hp = h_ptr + rows[:, None] * s_hm + offs_n[None, :] * s_hn  # h, y: ours, contiguous
             tl.store(hp, ha, mask=mask)
             tl.store(hp + F * s_hn, hb, mask=mask)
-            act, _unused = _act(ha.to(tl.float32), KIND)
+            act, _unused = act_and_grad(ha.to(tl.float32), ACT)
             y = act * hb.to(tl.float32)
             if HAS_SCALE:
                 y = y * tl.load(scale_ptr + rows * s_s, mask=rmask, other=0.0).to(tl.float32)[:, None]
@@ -130,7 +110,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _dglu_epi(acc, rows, rmask, c0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
-                  KIND: tl.constexpr, BC: tl.constexpr):
+                  ACT: tl.constexpr, BC: tl.constexpr):
         """dGLU on one [BM, BC] column sub-tile at columns c0..: stores dh (both halves) and y,
         returns the row partials of sum_j g * glu (unscaled)."""
         offs = c0 + tl.arange(0, BC)
@@ -138,14 +118,30 @@ if HAS_TRITON:
         hp = h_ptr + rows[:, None] * s_hm + offs.to(tl.int64)[None, :] * s_hn
         a = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(hp + tl.cast(F, tl.int64) * s_hn, mask=mask, other=0.0).to(tl.float32)
-        act, dact = _act(a, KIND)
+        act, dact_a = act_and_grad(a, ACT)
         glu = act * b
         ds = tl.sum(tl.where(mask, acc * glu, 0.0), 1)
         gs = acc * s
         dhp = dh_ptr + rows[:, None] * s_dhm + offs[None, :] * s_dhn  # dh, y: ours, contiguous
-        tl.store(dhp, (gs * b * dact).to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(dhp, dact(gs * b, a, dact_a, ACT).to(dh_ptr.dtype.element_ty), mask=mask)
         tl.store(dhp + F * s_dhn, (gs * act).to(dh_ptr.dtype.element_ty), mask=mask)
         tl.store(y_ptr + rows[:, None] * s_ym + offs[None, :] * s_yn, (glu * s).to(y_ptr.dtype.element_ty), mask=mask)
+        return ds
+
+    @triton.jit
+    def _dglu_epi_halves(acc, rows, rmask, c0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
+                         ACT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+        """:func:`_dglu_epi` on a [BM, BC] tile, in two column halves when BC >= 128 (bounds the
+        epilogue's register pressure: sub-tiles of <= 64 columns)."""
+        if BC >= 128:
+            a0, a1 = split_cols(acc, BM, BC)
+            ds = _dglu_epi(a0, rows, rmask, c0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
+                           ACT, BC // 2)
+            ds += _dglu_epi(a1, rows, rmask, c0 + BC // 2, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn,
+                            s_ym, s_yn, ACT, BC // 2)
+        else:
+            ds = _dglu_epi(acc, rows, rmask, c0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
+                           ACT, BC)
         return ds
 
     @triton.jit
@@ -160,67 +156,39 @@ if HAS_TRITON:
         split_ptr,  # [G] int64
         M, F, H, G,
         s_dym, s_dyh, s_wg, s_wh, s_wf, s_hm, s_hn, s_s, s_dhm, s_dhn, s_ym, s_yn,
-        HAS_SCALE: tl.constexpr, NEED_DS: tl.constexpr, KIND: tl.constexpr, USE_TMA: tl.constexpr,
+        HAS_SCALE: tl.constexpr, NEED_DS: tl.constexpr, ACT: tl.constexpr, USE_TMA: tl.constexpr,
         PREC: tl.constexpr, G_P2: tl.constexpr, BN_MIN: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
         FLATTEN: tl.constexpr = False, PPS: tl.constexpr = 1,  # PPS: programs per SM (read by the grid)
     ):
         """g = dy_g @ w2[g] (registers only); dh = dGLU(h; g * scale); y = glu(h) * scale."""
-        TILES_N = tl.cdiv(F, BN)
-        gi, start, m = _group_table(split_ptr, G, M, G_P2)
-        tiles = tl.cdiv(m, BM) * TILES_N
-        tile_end = tl.cumsum(tiles, 0)
-        total = tl.sum(tiles, 0)
-        if USE_TMA:
-            a_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, H], strides=[s_dym, 1], block_shape=[BM, BK])
-            b_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, H, F], strides=[s_wg, s_wh, 1],
-                                               block_shape=[1, BK, BN])
-        else:
-            a_desc = dy_ptr
-            b_desc = w_ptr
+        gi, start, m, tiles, tile_end, total, TILES_N = tile_space(split_ptr, G, M, F, G_P2, BM, BN)
+        a_desc, b_desc = operand_descs(dy_ptr, w_ptr, M, H, F, G, s_dym, s_wg, s_wh, s_wf, False, USE_TMA, BM, BN, BK)
         for t in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
-            g, r0, mg, pid_m, pid_n = _locate_tile(t, gi, start, m, tile_end, tiles, TILES_N, BM, GROUP_M)
-            row0 = r0 + pid_m * BM
-            local_m = pid_m * BM + tl.arange(0, BM)
-            rmask = local_m < mg
-            rows = r0 + local_m
-            n0 = pid_n * BN
-            offs_n = n0 + tl.arange(0, BN)
-            nmask = offs_n < F
+            g, row0, rows, rmask, n0, offs_n, nmask = tile_coords(t, gi, start, m, tile_end, tiles, TILES_N, F,
+                                                                  BM, BN, GROUP_M)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            acc = _mainloop(acc, dy_ptr, a_desc, w_ptr, b_desc, g, row0, rows, rmask, n0, offs_n, nmask,
+            acc = mainloop(acc, dy_ptr, a_desc, w_ptr, b_desc, g, row0, rows, rmask, n0, offs_n, nmask,
                             H, s_dym, s_dyh, s_wg, s_wh, s_wf, False, USE_TMA, PREC, BN, BK)
             rows = rows.to(tl.int64)
             if HAS_SCALE:
                 s = tl.load(scale_ptr + rows * s_s, mask=rmask, other=0.0).to(tl.float32)[:, None]
             else:
                 s = 1.0
-            # epilogue in column sub-tiles of <= 64 to bound register pressure
+            # epilogue in column sub-tiles of <= 64 columns (register pressure)
             if BN >= 256:
-                a0, a1 = _split_cols(acc, BM, BN)
-                q0, q1 = _split_cols(a0, BM, BN // 2)
-                q2, q3 = _split_cols(a1, BM, BN // 2)
-                ds = _dglu_epi(q0, rows, rmask, n0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
-                               KIND, BN // 4)
-                ds += _dglu_epi(q1, rows, rmask, n0 + BN // 4, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn,
-                                s_ym, s_yn, KIND, BN // 4)
-                ds += _dglu_epi(q2, rows, rmask, n0 + BN // 2, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn,
-                                s_ym, s_yn, KIND, BN // 4)
-                ds += _dglu_epi(q3, rows, rmask, n0 + 3 * (BN // 4), F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm,
-                                s_dhn, s_ym, s_yn, KIND, BN // 4)
-            elif BN >= 128:
-                a0, a1 = _split_cols(acc, BM, BN)
-                ds = _dglu_epi(a0, rows, rmask, n0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
-                               KIND, BN // 2)
-                ds += _dglu_epi(a1, rows, rmask, n0 + BN // 2, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn,
-                                s_ym, s_yn, KIND, BN // 2)
+                a0, a1 = split_cols(acc, BM, BN)
+                ds = _dglu_epi_halves(a0, rows, rmask, n0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym,
+                                      s_yn, ACT, BM, BN // 2)
+                ds += _dglu_epi_halves(a1, rows, rmask, n0 + BN // 2, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm,
+                                       s_dhn, s_ym, s_yn, ACT, BM, BN // 2)
             else:
-                ds = _dglu_epi(acc, rows, rmask, n0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
-                               KIND, BN)
+                ds = _dglu_epi_halves(acc, rows, rmask, n0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym,
+                                      s_yn, ACT, BM, BN)
             if NEED_DS:
                 # this tile owns slots [slot0, slot0 + BN/BN_MIN): its sum in the first, zeros in the
                 # rest, so the buffer needs no memset and any autotuned BN gives the same sum.
-                slot0 = pid_n * (BN // BN_MIN)
+                slot0 = (n0 // BN) * (BN // BN_MIN)
                 for j in tl.static_range(BN // BN_MIN):
                     pmask = rmask & ((rows * 0 + slot0 + j) < tl.cdiv(F, BN_MIN))
                     pptr = part_ptr + (slot0 + j).to(tl.int64) * M + rows
@@ -229,27 +197,27 @@ if HAS_TRITON:
                     else:
                         tl.store(pptr, tl.zeros_like(ds), mask=pmask)
 
-    _cfg = _gg._cfg
     # GLU fwd: BN is per half, so the effective output tile is BM x 2BN.
-    _GLU_CONFIGS = [_cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 64, 64, 8, 4),
-                    _cfg(128, 64, 64, 4, 3, pps=2), _cfg(64, 128, 64, 4, 3, pps=2), _cfg(64, 64, 32, 4, 3, pps=2)]
-    _DGLU_CONFIGS = [_cfg(128, 256, 64, 8, 3), _cfg(128, 256, 64, 8, 3, flat=True), _cfg(128, 128, 64, 8, 4),
-                     _cfg(128, 128, 64, 4, 3, pps=2), _cfg(64, 128, 64, 4, 4, pps=2), _cfg(64, 64, 32, 4, 3, pps=2)]
+    _GLU_CONFIGS = [mn_config(128, 128, 64, 8, 3), mn_config(128, 128, 64, 8, 4), mn_config(128, 64, 64, 8, 4),
+                    mn_config(128, 64, 64, 4, 3, pps=2), mn_config(64, 128, 64, 4, 3, pps=2),
+                    mn_config(64, 64, 32, 4, 3, pps=2)]
+    _DGLU_CONFIGS = [mn_config(128, 256, 64, 8, 3), mn_config(128, 256, 64, 8, 3, flat=True),
+                     mn_config(128, 128, 64, 8, 4), mn_config(128, 128, 64, 4, 3, pps=2),
+                     mn_config(64, 128, 64, 4, 4, pps=2), mn_config(64, 64, 32, 4, 3, pps=2)]
     _BN_MIN = min(c.kwargs["BN"] for c in _DGLU_CONFIGS)  # partial-dscales slot width on GPU
-    _gg.FIXED_CONFIGS["glu"] = (_GLU_CONFIGS[2], _GLU_CONFIGS[5])
-    _gg.FIXED_CONFIGS["dglu"] = (_DGLU_CONFIGS[2], _DGLU_CONFIGS[5])
-    _glu_fwd_tuned = triton.autotune(_GLU_CONFIGS, key=["F", "K", "USE_TMA", "KIND", "HAS_BIAS", "HAS_SCALE"])(
-        _glu_fwd_kernel)
-    _dglu_tuned = triton.autotune(_DGLU_CONFIGS, key=["F", "H", "USE_TMA", "KIND", "HAS_SCALE", "NEED_DS"])(
-        _dglu_kernel)
+    GLU_FWD_KERNEL = TunedKernel(_glu_fwd_kernel, _GLU_CONFIGS, ["F", "K", "USE_TMA", "ACT", "HAS_BIAS", "HAS_SCALE"],
+                                 (_GLU_CONFIGS[2], _GLU_CONFIGS[5]), INTERP_MN)
+    DGLU_KERNEL = TunedKernel(_dglu_kernel, _DGLU_CONFIGS, ["F", "H", "USE_TMA", "ACT", "HAS_SCALE", "NEED_DS"],
+                              (_DGLU_CONFIGS[2], _DGLU_CONFIGS[5]), INTERP_MN)
 
 
-def _kind(kind: str, scales) -> int:
-    if kind not in _KINDS:
-        raise ValueError(f"kind={kind!r}; expected one of {sorted(_KINDS)}")
+def _act_id(kind: str, scales) -> int:
+    """The ``ACT`` constexpr of a GLU kind (validated)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}; expected one of {sorted(KINDS)}")
     if kind == "scaled_swiglu" and scales is None:
         raise ValueError("kind='scaled_swiglu' needs scales")
-    return _KINDS[kind]
+    return ACT_IDS[GLU_BASE[kind]]
 
 
 def _interp(t: torch.Tensor) -> bool:
@@ -266,17 +234,16 @@ def _grouped_glu_fwd_op(x: torch.Tensor, w1: torch.Tensor, split_sizes: torch.Te
     y = torch.empty((M, F), dtype=x.dtype, device=x.device)
     if M == 0 or F == 0:
         return y, h
-    use_tma = K > 0 and _gg._tma_ok(x, w1)
+    use_tma = K > 0 and tma_ok(x, w1)
     dummy = h
     args = (x, w1, h, y, bias1 if bias1 is not None else dummy, scales if scales is not None else dummy,
             split_sizes, M, F, K, G, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
             h.stride(0), h.stride(1), y.stride(0), y.stride(1),
             bias1.stride(0) if bias1 is not None else 0, bias1.stride(1) if bias1 is not None else 0,
             scales.stride(0) if scales is not None else 0)
-    const = dict(HAS_BIAS=bias1 is not None, HAS_SCALE=scales is not None, KIND=_kind(kind, scales),
-                 USE_TMA=use_tma, PREC=_gg._prec(x.dtype), G_P2=_gg._g_p2(G))
-    _gg._run("glu", _glu_fwd_tuned, _glu_fwd_kernel, _gg._persistent_grid(M, G, F, x.device), args, const, x.dtype,
-             x.device, _gg._INTERP_MN)
+    const = dict(HAS_BIAS=bias1 is not None, HAS_SCALE=scales is not None, ACT=_act_id(kind, scales),
+                 USE_TMA=use_tma, PREC=dot_precision(x.dtype), G_P2=group_p2(G))
+    GLU_FWD_KERNEL.launch(persistent_grid(M, G, F, x.device), args, const, x.dtype, x.device)
     return y, h
 
 
@@ -295,19 +262,18 @@ def _grouped_dglu_op(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Ten
     dh = torch.empty((M, 2 * F), dtype=dy2.dtype, device=dy2.device)
     y = torch.empty((M, F), dtype=h.dtype, device=h.device)
     need_ds = bool(need_dscales)
-    bn_min = _gg._INTERP_MN["BN"] // 2 if _interp(dy2) else _BN_MIN  # (2 slots per tile in the interpreter)
+    bn_min = INTERP_MN["BN"] // 2 if _interp(dy2) else _BN_MIN  # (2 slots per tile in the interpreter)
     parts = torch.empty((triton.cdiv(F, bn_min) if need_ds else 0, M), dtype=torch.float32, device=dy2.device)
     if M == 0 or F == 0:
         return dh, y, parts.sum(0) if need_ds else parts.new_empty(0)
-    use_tma = H > 0 and _gg._tma_ok(dy2, w2)
+    use_tma = H > 0 and tma_ok(dy2, w2)
     args = (dy2, w2, h, scales if scales is not None else h, dh, y, parts if need_ds else dh, split_sizes,
             M, F, H, G, dy2.stride(0), dy2.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
             h.stride(0), h.stride(1), scales.stride(0) if scales is not None else 0,
             dh.stride(0), dh.stride(1), y.stride(0), y.stride(1))
-    const = dict(HAS_SCALE=scales is not None, NEED_DS=need_ds, KIND=_kind(kind, scales), USE_TMA=use_tma,
-                 PREC=_gg._prec(dy2.dtype), G_P2=_gg._g_p2(G), BN_MIN=bn_min)
-    _gg._run("dglu", _dglu_tuned, _dglu_kernel, _gg._persistent_grid(M, G, F, dy2.device), args, const, dy2.dtype,
-             dy2.device, _gg._INTERP_MN)
+    const = dict(HAS_SCALE=scales is not None, NEED_DS=need_ds, ACT=_act_id(kind, scales), USE_TMA=use_tma,
+                 PREC=dot_precision(dy2.dtype), G_P2=group_p2(G), BN_MIN=bn_min)
+    DGLU_KERNEL.launch(persistent_grid(M, G, F, dy2.device), args, const, dy2.dtype, dy2.device)
     return dh, y, parts.sum(0) if need_ds else parts.new_empty(0)
 
 
@@ -320,8 +286,8 @@ def _(dy2, w2, split_sizes, h, kind, scales, need_dscales):
 
 # ----------------------------------------------------------------------------- public API
 def _check_glu(split_sizes, G, a, w, *tensors):
-    _gg._check(split_sizes, G, a, w, *[t for t in tensors if t is not None])
-    _gg._same_dtype(a, w)
+    check_splits(split_sizes, G, a, w, *tensors)
+    same_dtype(a, w)
 
 
 def grouped_glu_fwd(x: torch.Tensor, w1: torch.Tensor, split_sizes: torch.Tensor, bias1: Optional[torch.Tensor],
@@ -333,11 +299,11 @@ def grouped_glu_fwd(x: torch.Tensor, w1: torch.Tensor, split_sizes: torch.Tensor
     (kept for backward); y = act(h[:, :F]) * h[:, F:] (* scales[:, None]) [M, F] in x's dtype,
     computed in fp32 from h as rounded to x's dtype. Sync-free, one launch.
     """
-    _kind(kind, scales)
+    _act_id(kind, scales)
     if w1.shape[1] % 2:
         raise ValueError(f"w1 must be [G, 2F, K]; got {tuple(w1.shape)}")
     _check_glu(split_sizes, w1.shape[0], x, w1, bias1, scales)
-    if use_triton(x, w1, split_sizes, bias1, scales) and x.dtype in _gg._TRITON_DTYPES:
+    if use_triton(x, w1, split_sizes, bias1, scales) and x.dtype in TRITON_DTYPES:
         return _grouped_glu_fwd_op(x, w1, split_sizes, bias1, kind, scales)
     return grouped_glu_fwd_ref(x, w1, split_sizes, bias1, kind, scales)
 
@@ -353,39 +319,26 @@ def grouped_dglu(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Tensor,
     y [M, F] in h's dtype = glu(h) (* scales), recomputed for FC2's wgrad; dscales [M] fp32 =
     sum_j g[r, j] * glu[r, j] if need_dscales (deterministic, no atomics) else None.
     """
-    _kind(kind, scales)
+    _act_id(kind, scales)
     F = w2.shape[2]
     if tuple(h.shape) != (dy2.shape[0], 2 * F):
         raise ValueError(f"h must be [M, 2F] = {(dy2.shape[0], 2 * F)}, got {tuple(h.shape)}")
     _check_glu(split_sizes, w2.shape[0], dy2, w2, h, scales)
-    if use_triton(dy2, w2, split_sizes, h, scales) and dy2.dtype in _gg._TRITON_DTYPES:
+    if use_triton(dy2, w2, split_sizes, h, scales) and dy2.dtype in TRITON_DTYPES:
         dh, y, ds = _grouped_dglu_op(dy2, w2, split_sizes, h, kind, scales, need_dscales)
         return dh, y, (ds if need_dscales else None)
     return grouped_dglu_ref(dy2, w2, split_sizes, h, kind, scales, need_dscales)
 
 
 # ----------------------------------------------------------------------------- references
-def _act_ref(a: torch.Tensor, kind: str):
-    """(act(a), act'(a)) with the same formulas as the kernel (a in fp32 or fp64); NaN/Inf as
-    torch's silu / gelu (tests/test_nan_inf.py)."""
-    if _KINDS[kind] == 0:
-        s = torch.sigmoid(a)
-        return a * s, s * (1 + a * (1 - s))
-    if _KINDS[kind] == 1:
-        cdf = 0.5 * (1 + torch.erf(a * 0.7071067811865476))
-        return a * cdf, cdf + a * torch.exp(-0.5 * a * a) * 0.3989422804014327
-    t = torch.tanh(0.7978845608028654 * (a + 0.044715 * a ** 3))
-    return 0.5 * a * (1 + t), 0.5 * (1 + t) + 0.5 * a * (1 - t * t) * 0.7978845608028654 * (1 + 0.134145 * a * a)
-
-
 def grouped_glu_fwd_ref(x: torch.Tensor, w1: torch.Tensor, split_sizes: torch.Tensor, bias1: Optional[torch.Tensor],
                         kind: str, scales: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch twin of :func:`grouped_glu_fwd` (per-group loop, fp32 math, syncs)."""
-    _kind(kind, scales)
-    acc = _gg._acc_dtype(x.dtype)
-    h = _gg.grouped_gemm_fwd_ref(x, w1, split_sizes, bias1)
+    _act_id(kind, scales)
+    acc = compute_dtype(x.dtype)
+    h = grouped_gemm_fwd_ref(x, w1, split_sizes, bias1)
     a, b = h.to(acc).chunk(2, dim=-1)
-    y = _act_ref(a, kind)[0] * b
+    y = act_and_grad_ref(a, GLU_BASE[kind], need_grad=False)[0] * b
     if scales is not None:
         y = y * scales.to(acc)[:, None]
     return y.to(x.dtype), h
@@ -395,17 +348,18 @@ def grouped_dglu_ref(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Ten
                      scales: Optional[torch.Tensor] = None, need_dscales: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Pure-torch twin of :func:`grouped_dglu` (g kept in fp32 like the kernel; fp64 for fp64)."""
-    _kind(kind, scales)
-    acc = _gg._acc_dtype(dy2.dtype)
-    g = _gg.grouped_dgrad_acc_ref(dy2, w2, split_sizes)
+    _act_id(kind, scales)
+    acc = compute_dtype(dy2.dtype)
+    g = grouped_dgrad_acc_ref(dy2, w2, split_sizes)
     a, b = h.to(acc).chunk(2, dim=-1)
-    act, dact = _act_ref(a, kind)
+    base = GLU_BASE[kind]
+    act, dact_a = act_and_grad_ref(a, base)
     glu = act * b
     ds = (g * glu).sum(-1) if need_dscales else None
     if scales is not None:
         sc = scales.to(acc)[:, None]
         g, glu = g * sc, glu * sc
-    dh = torch.cat([g * b * dact, g * act], dim=-1).to(dy2.dtype)
+    dh = torch.cat([dact_ref(g * b, a, dact_a, base), g * act], dim=-1).to(dy2.dtype)
     return dh, glu.to(h.dtype), ds
 
 

@@ -1,0 +1,173 @@
+"""Launch utilities shared by every kernel family (the one home for them).
+
+* :data:`TRITON_DTYPES`, :func:`compute_dtype`, :func:`dot_precision`: dtype rules.
+* :func:`num_sms`: multiprocessors of a tensor's own device (cached).
+* :func:`kernel_op`: a launcher registered as a ``torch.library`` custom op for tracing, called
+  directly in eager mode.
+* :func:`as_rows`, :func:`elementwise_config`, :func:`needs_int64`, :data:`MIN_BLOCK_C`: row views
+  and tiling of memory-bound elementwise passes.
+* :class:`TunedKernel`: one kernel with its autotuned configs, its fixed (untuned) configs and its
+  interpreter config; ``launch`` picks one (the fixed-or-tuned config runner).
+
+Nothing here launches work by itself; nothing here syncs with the host.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional, Sequence
+
+import torch
+
+try:
+    import triton
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Dtypes the Triton kernels serve (float64, the reference precision, always runs the ``*_ref``)."""
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The math dtype of every kernel and ``*_ref``: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for operands of ``dtype``: IEEE for fp32 (tests compare
+    against float64), tf32 otherwise (ignored by Triton for 16-bit operands)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def num_sms(device: torch.device, interpreter_programs: int = 2) -> int:
+    """Multiprocessors of ``device`` (the tensor's own device; the current device when it has no
+    index), cached per device. On CPU (Triton's interpreter) ``interpreter_programs``: a few
+    programs, so persistent loops really loop on tiny test shapes."""
+    if device.type != "cuda":
+        return interpreter_programs
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(idx)
+    if n is None:
+        n = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n
+
+
+def kernel_op(name: str, *, mutates_args=()):
+    """Register a launcher as the ``torch.library`` custom op ``name`` (so ``torch.compile``
+    traces it through its fake implementation), and return a callable that runs the launcher
+    DIRECTLY in eager mode: eager calls skip the custom-op dispatch (its Python wrapper costs
+    far more host time than a Triton launch), traced calls go through the op.
+
+    The returned callable has ``register_fake`` (decorator, as on the op) and ``op``.
+    """
+
+    def wrap(fn):
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        is_compiling = torch.compiler.is_compiling
+
+        def call(*args):
+            return op(*args) if is_compiling() else fn(*args)
+
+        call.op = op
+        call.register_fake = op.register_fake
+        call.__name__ = fn.__name__
+        call.__doc__ = fn.__doc__
+        return call
+
+    return wrap
+
+
+# ----------------------------------------------------------------------------- elementwise tiling
+MIN_BLOCK_C = 4
+"""Smallest column tile of elementwise passes (dropout masks draw 4 columns per Philox call)."""
+EW_MAX_BLOCK_C = 1024  # tile caps of elementwise passes (tests shrink them to get many programs)
+EW_TILE = 4096
+INT64_MIN_COUNTERS = 2**31  # counters >= this need int64 (tests lower it to run the int64 path)
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """A 2-D ``[rows, cols]`` view of ``x`` (row-major order kept) with column stride 1.
+
+    Views when the strides allow it; otherwise copies (``reshape`` / ``contiguous``).
+    """
+    x2 = x.reshape(1, -1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
+    if x2.shape[1] > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+def needs_int64(n_rows: int, n_cols: int) -> bool:
+    """Whether the dropout-mask counters of an ``[n_rows, n_cols]`` view need int64."""
+    return n_rows * ((n_cols + 3) // 4) >= INT64_MIN_COUNTERS
+
+
+def elementwise_config(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_C, num_warps) for a memory-bound elementwise pass: ~``EW_TILE``-element
+    tiles; BLOCK_C is a power of two >= :data:`MIN_BLOCK_C`."""
+    block_c = max(MIN_BLOCK_C, min(triton.next_power_of_2(max(n_cols, 1)), EW_MAX_BLOCK_C))
+    block_r = max(1, min(triton.next_power_of_2(max(n_rows, 1)), EW_TILE // block_c))
+    num_warps = 8 if block_r * block_c >= 4096 else 4
+    return block_r, block_c, num_warps
+
+
+# ----------------------------------------------------------------------------- config runner
+AUTOTUNE = os.environ.get("FUSIBLE_OPS_GGEMM_AUTOTUNE", "1") != "0"
+"""Autotune GEMM kernels on the GPU (keyed on feature sizes, dtype and flags only).
+``FUSIBLE_OPS_GGEMM_AUTOTUNE=0`` (or setting this to False) uses each kernel's fixed configs:
+no tuning pass, e.g. for tests."""
+
+
+class TunedKernel:
+    """A ``@triton.jit`` kernel with three ways to pick its meta-parameters.
+
+    * CPU tensors (Triton's interpreter): ``interp_meta``, tiny fixed tiles.
+    * CUDA with :data:`AUTOTUNE`: ``triton.autotune(configs, key)`` on the first call of a key;
+      its choice is cached here, so later calls launch the kernel directly (the autotuner's
+      per-call Python costs tens of microseconds of host time).
+    * CUDA without: ``fixed`` = (config for 16-bit inputs, config for fp32 inputs).
+
+    ``grid`` passed to :meth:`launch` is a function of the chosen meta-parameters. The tuning key
+    is the values of the ``key`` arguments plus the dtypes of the tensor arguments (as Triton's).
+    """
+
+    def __init__(self, kernel, configs: Sequence, key: Sequence[str], fixed: tuple, interp_meta: dict,
+                 restore_value: Optional[Sequence[str]] = None) -> None:
+        self.kernel = kernel
+        self.configs = list(configs)
+        self.tuned = triton.autotune(self.configs, key=list(key), restore_value=list(restore_value or ()))(kernel)
+        self.fixed = fixed
+        self.interp_meta = dict(interp_meta)
+        names = list(kernel.arg_names)
+        self._key_pos = [(names.index(k), k) for k in key]
+        self._chosen: dict = {}
+
+    def _key(self, args: tuple, const: dict) -> tuple:
+        key = tuple(args[i] if i < len(args) else const[k] for i, k in self._key_pos)
+        return key + tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+
+    def launch(self, grid: Callable[[dict], tuple], args: tuple, const: dict, dtype: torch.dtype,
+               device: torch.device) -> None:
+        """One launch of the kernel on ``args`` (positional, in the kernel's order) with the
+        constexprs ``const``."""
+        if device.type != "cuda":
+            self.kernel[grid(self.interp_meta)](*args, **const, **self.interp_meta)
+            return
+        if AUTOTUNE:
+            key = self._key(args, const)
+            cfg = self._chosen.get(key)
+            if cfg is None:
+                self.tuned[grid](*args, **const)
+                best = getattr(self.tuned, "best_config", None)
+                if best is not None:
+                    self._chosen[key] = best
+                return
+        else:
+            cfg = self.fixed[1 if dtype == torch.float32 else 0]
+        self.kernel[grid(cfg.kwargs)](*args, **const, **cfg.all_kwargs())
+
+
+__all__ = ["AUTOTUNE", "MIN_BLOCK_C", "TRITON_DTYPES", "TunedKernel", "as_rows", "compute_dtype", "dot_precision",
+           "elementwise_config", "kernel_op", "needs_int64", "num_sms"]

@@ -1,0 +1,247 @@
+"""Persistent grouped-GEMM machinery, shared by the grouped GEMMs (:mod:`.grouped_gemm`) and the
+GLU-epilogue grouped GEMMs (:mod:`.grouped_glu`).
+
+Grouping contract: rows of a [M, K] operand are split into G consecutive groups by
+``split_sizes`` (1-D int64, length G, on the operand's device); group g covers rows
+[off_g, off_g + m_g), off = exclusive cumsum. Empty groups and M == 0 are valid. The kernels
+clamp groups to M (never read or write out of bounds); rows past the sum stay unwritten.
+
+No host sync: every program loads the split sizes and builds the group table itself
+(:func:`group_table`); the launch grid depends only on M, N, K, G and the SM count
+(:func:`persistent_grid`), so a launch can be captured in a CUDA graph and replayed with other
+split sizes of the same total. A persistent program walks the global tile space of all groups
+(:func:`tile_space`, :func:`tile_coords`): per group cdiv(m_g, BM) * cdiv(N, BN) tiles, with a
+GROUP_M swizzle inside a group. :func:`mainloop` accumulates one [BM, BN] tile, through TMA
+tensor descriptors on Hopper (:func:`tma_ok`) or masked pointer loads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from . import interpreter_enabled
+from .launch import num_sms
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only without triton
+    HAS_TRITON = False
+
+INTERP_MN = {"BM": 16, "BN": 16, "BK": 16, "GROUP_M": 2}
+"""Meta-parameters of the tile-space kernels under Triton's interpreter (tiny: loops really loop)."""
+INTERP_WG = {"BN": 16, "BK": 16, "BR": 16, "GROUP_N": 2}
+"""Meta-parameters of the weight-gradient kernel under the interpreter."""
+INTERP_PROGS = 3
+"""Persistent programs under the interpreter."""
+
+if HAS_TRITON:
+
+    @triton.jit
+    def group_table(split_ptr, G, M, G_P2: tl.constexpr):
+        """Per-group (index, row start, rows) as [G_P2] int32 vectors, clamped to [0, M]."""
+        gi = tl.arange(0, G_P2)
+        m = tl.load(split_ptr + gi, mask=gi < G, other=0).to(tl.int32)
+        m = tl.maximum(m, 0)
+        end_raw = tl.cumsum(m, 0)
+        start = tl.minimum(end_raw - m, M)
+        end = tl.minimum(end_raw, M)
+        return gi, start, end - start
+
+    @triton.jit
+    def pick(vec, sel):
+        """The element of int vector ``vec`` where boolean vector ``sel`` is true (one place)."""
+        return tl.sum(tl.where(sel, vec, 0), 0)
+
+    @triton.jit
+    def group_rows(split_ptr, g, G, M, G_P2: tl.constexpr):
+        """(row start, rows) of group ``g``."""
+        gi, start, m = group_table(split_ptr, G, M, G_P2)
+        sel = gi == g
+        return pick(start, sel), pick(m, sel)
+
+    @triton.jit
+    def tile_space(split_ptr, G, M, NOUT, G_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        """The global tile space of all groups: (gi, start, m, tiles, tile_end, total, TILES_N)."""
+        TILES_N = tl.cdiv(NOUT, BN)
+        gi, start, m = group_table(split_ptr, G, M, G_P2)
+        tiles = tl.cdiv(m, BM) * TILES_N
+        tile_end = tl.cumsum(tiles, 0)
+        total = tl.sum(tiles, 0)
+        return gi, start, m, tiles, tile_end, total, TILES_N
+
+    @triton.jit
+    def locate_tile(t, gi, start, m, tile_end, tiles, TILES_N, BM: tl.constexpr, GROUP_M: tl.constexpr):
+        """Global tile index t -> (group, group row start, group rows, m-tile, n-tile)."""
+        g = tl.sum((tile_end <= t).to(tl.int32), 0)
+        sel = gi == g
+        r0 = pick(start, sel)
+        mg = pick(m, sel)
+        local = t - pick(tile_end - tiles, sel)
+        # GROUP_M swizzle inside the group: GROUP_M m-tiles share the weight tiles in L2.
+        num_m = tl.cdiv(mg, BM)
+        width = GROUP_M * TILES_N
+        first_m = (local // width) * GROUP_M
+        gsz = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (local % width) % gsz
+        pid_n = (local % width) // gsz
+        return g, r0, mg, pid_m, pid_n
+
+    @triton.jit
+    def tile_coords(t, gi, start, m, tile_end, tiles, TILES_N, NOUT,
+                    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+        """Tile t -> (group, first row of the tile, rows [BM] int32, row mask, n0, columns [BN],
+        column mask)."""
+        g, r0, mg, pid_m, pid_n = locate_tile(t, gi, start, m, tile_end, tiles, TILES_N, BM, GROUP_M)
+        local_m = pid_m * BM + tl.arange(0, BM)
+        n0 = pid_n * BN
+        offs_n = n0 + tl.arange(0, BN)
+        return g, r0 + pid_m * BM, r0 + local_m, local_m < mg, n0, offs_n, offs_n < NOUT
+
+    @triton.jit
+    def split_cols(acc, BM: tl.constexpr, BN: tl.constexpr):
+        """[BM, BN] -> ([BM, BN/2] columns [0, BN/2), [BM, BN/2] columns [BN/2, BN))."""
+        return tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+
+    @triton.jit
+    def operand_descs(a_ptr, b_ptr, M, KIN, NOUT, G, s_am, s_bg, s_bk, s_bn, B_KMAJOR: tl.constexpr,
+                      USE_TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """(A, B) as :func:`mainloop` reads them: TMA descriptors of A [M, KIN] and of B
+        [G, NOUT, KIN] (``B_KMAJOR``) or [G, KIN, NOUT], or the plain pointers."""
+        if USE_TMA:
+            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, KIN], strides=[s_am, 1], block_shape=[BM, BK])
+            if B_KMAJOR:
+                b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G, NOUT, KIN], strides=[s_bg, s_bn, 1],
+                                                   block_shape=[1, BN, BK])
+            else:
+                b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G, KIN, NOUT], strides=[s_bg, s_bk, 1],
+                                                   block_shape=[1, BK, BN])
+        else:
+            a_desc = a_ptr
+            b_desc = b_ptr
+        return a_desc, b_desc
+
+    @triton.jit
+    def mainloop(acc, a_ptr, a_desc, b_ptr, b_desc, g, row0, rows, rmask, n0, offs_n, nmask,
+                 KIN, s_am, s_ak, s_bg, s_bk, s_bn,
+                 B_KMAJOR: tl.constexpr, USE_TMA: tl.constexpr, PREC: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr):
+        """acc[BM, BN] += A[rows, :KIN] @ B_g[:KIN, n0:n0+BN] (fp32 accumulate)."""
+        if USE_TMA:
+            for k0 in range(0, KIN, BK):
+                a = a_desc.load([row0, k0])
+                if B_KMAJOR:
+                    b = tl.trans(tl.reshape(b_desc.load([g, n0, k0]), (BN, BK)))
+                else:
+                    b = tl.reshape(b_desc.load([g, k0, n0]), (BK, BN))
+                acc = tl.dot(a, b, acc, input_precision=PREC)
+        else:
+            a_row = a_ptr + rows.to(tl.int64)[:, None] * s_am
+            b_base = b_ptr + g.to(tl.int64) * s_bg + offs_n.to(tl.int64)[None, :] * s_bn
+            for k0 in range(0, KIN, BK):
+                offs_k = k0 + tl.arange(0, BK)
+                kmask = offs_k < KIN
+                a = tl.load(a_row + offs_k.to(tl.int64)[None, :] * s_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                b = tl.load(b_base + offs_k.to(tl.int64)[:, None] * s_bk, mask=kmask[:, None] & nmask[None, :],
+                            other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=PREC)
+        return acc
+
+    def mn_config(bm, bn, bk, warps, stages, pps=1, flat=False):
+        """A config of a tile-space kernel; ``pps`` programs per SM (read by the grid), ``flat``:
+        the persistent tile loop flattened with the K loop (only for kernels with FLATTEN)."""
+        meta = {"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "PPS": pps}
+        if flat:
+            meta["FLATTEN"] = True
+        return triton.Config(meta, num_warps=warps, num_stages=stages)
+
+    def wgrad_config(bn, bk, br, warps, stages):
+        """A config of the weight-gradient kernel."""
+        return triton.Config({"BN": bn, "BK": bk, "BR": br, "GROUP_N": 8}, num_warps=warps, num_stages=stages)
+
+
+def group_p2(G: int) -> int:
+    """The power of two >= G (>= 2) that sizes the in-kernel group table."""
+    return max(2, triton.next_power_of_2(max(G, 1)))
+
+
+def persistent_grid(M: int, G: int, n_cols: int, device: torch.device):
+    """Persistent grid: min(#SMs x programs per SM, upper bound of the tile count over any split
+    of M rows into G groups)."""
+    progs = num_sms(device, INTERP_PROGS)
+
+    def grid(meta):
+        max_tiles = (triton.cdiv(M, meta["BM"]) + G) * triton.cdiv(n_cols, meta["BN"])
+        return (max(1, min(progs * meta.get("PPS", 1), max_tiles)),)
+    return grid
+
+
+_CAPABILITY: dict[int, tuple] = {}
+_allocator_set = threading.local()
+
+
+def _capability(device: torch.device) -> tuple:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITY.get(idx)
+    if cap is None:
+        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return cap
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can serve these operands: CUDA sm90+, Triton with
+    ``tl.make_tensor_descriptor``, a contiguous last dim, 16-byte aligned base and strides, rows
+    of >= 16 bytes. ``FUSIBLE_OPS_GGEMM_TMA=0`` turns TMA off; never under the interpreter."""
+    if os.environ.get("FUSIBLE_OPS_GGEMM_TMA", "1") == "0" or interpreter_enabled() or not _TMA_API:
+        return False
+    for t in tensors:
+        if not t.is_cuda or t.numel() == 0 or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if _capability(t.device)[0] < 9:
+            return False
+        es = t.element_size()
+        if any((s * es) % 16 for s in t.stride()[:-1]) or t.shape[-1] * es < 16:
+            return False
+    # Device-side descriptors need a global scratch allocation (graph-capturable torch.empty).
+    # Triton keeps the allocator per thread (autograd runs backward on its own threads): set it
+    # once in each thread that launches.
+    if not getattr(_allocator_set, "done", False):
+        triton.set_allocator(_tma_scratch)
+        _allocator_set.done = True
+    return True
+
+
+_TMA_API = HAS_TRITON and hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def check_splits(split_sizes: torch.Tensor, G: int, *tensors: torch.Tensor) -> None:
+    """Host-known checks of a grouped call: split sizes 1-D int64 of length G, every tensor on
+    one device."""
+    dev = tensors[0].device
+    if split_sizes.dim() != 1 or split_sizes.shape[0] != G:
+        raise ValueError(f"split_sizes must be 1-D of length G={G}, got {tuple(split_sizes.shape)}")
+    if split_sizes.dtype != torch.int64:
+        raise TypeError(f"split_sizes must be int64, got {split_sizes.dtype}")
+    for t in (split_sizes, *tensors):
+        if t is not None and t.device != dev:
+            raise ValueError(f"all tensors must be on {dev}; got one on {t.device}")
+
+
+def same_dtype(a: torch.Tensor, b: torch.Tensor) -> None:
+    """GEMM operands must share a dtype."""
+    if a.dtype != b.dtype:
+        raise TypeError(f"operands must share a dtype, got {a.dtype} and {b.dtype}")
+
+
+__all__ = ["INTERP_MN", "INTERP_PROGS", "INTERP_WG", "check_splits", "group_p2", "persistent_grid", "same_dtype",
+           "tma_ok"] + (["group_rows", "group_table", "locate_tile", "mainloop", "mn_config", "operand_descs", "pick", "split_cols",
+                         "tile_coords", "tile_space", "wgrad_config"] if HAS_TRITON else [])
