@@ -1,16 +1,15 @@
 """Bias + activation (+ counter-based dropout) and scaled SwiGLU kernels.
 
-Math, all in fp32 (fp64 on the ref path for fp64 inputs); ``z = x + bias`` (or ``x``):
+Math, all in fp32 (fp64 on the ref path for fp64 inputs); ``z = x + bias`` (or ``x``). The
+activations (``relu``, ``gelu`` exact, ``gelu_tanh``, ``silu``) and their gradients come from the
+one table, :mod:`fusible_ops.kernels.act_table`; gated kinds ``swiglu`` / ``geglu`` /
+``geglu_tanh`` / ``reglu`` split the last dim of z (size 2H) into ``a = z[..., :H]``,
+``b = z[..., H:]`` and give ``y = act(a) * b``.
 
-* ``relu``, ``gelu`` (exact, erf), ``gelu_tanh``
-  (``0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))``), ``silu`` (``z sigmoid(z)``).
-* gated kinds ``swiglu`` / ``geglu`` / ``geglu_tanh`` / ``reglu``: the last dim of z
-  (size 2H) is split into ``a = z[..., :H]``, ``b = z[..., H:]`` and
-  ``y = act(a) * b`` with act = silu / gelu / gelu_tanh / relu.
 * dropout (optional): ``y = dropout(act(z))`` with the mask contract of
   :mod:`fusible_ops.kernels.dropout` applied to y's contiguous ``[rows, cols]`` view
   (counter ``r * ceil(cols / 4) + c // 4``, component ``c % 4`` of ``tl.rand4x``), key = seed;
-  every kernel gets it from the shared ``_keep_tile`` helper (column tiles start at multiples
+  every kernel gets it from the shared ``keep_tile`` helper (column tiles start at multiples
   of a power-of-two ``BLOCK_C >= 4``).
 
 NaN / Inf: both paths give what torch's activations (and dropout) give, forward and backward;
@@ -28,84 +27,28 @@ from typing import Optional
 
 import torch
 
-from fusible_ops.kernels import HAS_TRITON, kernel_op, num_sms, use_triton
+from fusible_ops.kernels import HAS_TRITON, use_triton
 from fusible_ops.kernels.activation_ref import (  # noqa: F401  (re-exported: one module to import)
     ACTIVATIONS,
     GATED,
-    _check_bias_act,
-    _check_kind,
-    _check_scales,
-    _out_cols,
     bias_act_bwd_ref,
     bias_act_fwd_ref,
+    check_bias_act,
+    check_kind,
+    check_scales,
+    out_cols,
     scaled_swiglu_bwd_ref,
     scaled_swiglu_fwd_ref,
 )
-from fusible_ops.kernels.dropout import _MIN_BLOCK_C, _as_rows, _elementwise_config, _keep_scale, _off64, seed_tensor
+from fusible_ops.kernels.dropout import keep_scale, seed_tensor
+from fusible_ops.kernels.launch import MIN_BLOCK_C, as_rows, elementwise_config, kernel_op, needs_int64, num_sms
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from fusible_ops.kernels.dropout import _keep_tile
-
-    @triton.jit
-    def _tanh(u):
-        # tanh via exp: portable (Triton 3.6 / 3.9, interpreter); saturates correctly at +-inf.
-        return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
-
-    @triton.jit
-    def _gelu_cdf(z):
-        """Phi(z) = 0.5 * erfc(-z / sqrt(2)), via the Chebyshev-fitted erfc of Numerical Recipes
-        (fractional error < 1.2e-7 everywhere, i.e. fp32 rounding level, also in the tails). One
-        exp and one reciprocal: cheaper than libdevice's erff, which made exact GELU compute-bound
-        (measured on H200: fwd 0.43 ms vs 0.32 ms for SiLU at [16384, 16384] bf16)."""
-        a = tl.abs(z) * 0.7071067811865476
-        t = 1.0 / (1.0 + 0.5 * a)
-        p = 0.17087277
-        p = -0.82215223 + t * p
-        p = 1.48851587 + t * p
-        p = -1.13520398 + t * p
-        p = 0.27886807 + t * p
-        p = -0.18628806 + t * p
-        p = 0.09678418 + t * p
-        p = 0.37409196 + t * p
-        p = 1.00002368 + t * p
-        p = -1.26551223 + t * p
-        half_erfc = 0.5 * t * tl.exp(p - a * a)
-        return tl.where(z >= 0.0, 1.0 - half_erfc, half_erfc)
-
-    @triton.jit
-    def _act_and_grad(z, ACT: tl.constexpr):
-        """(act(z), act'(z)) in fp32 (an unused gradient is removed by dead-code elimination).
-        NaN/Inf follow torch (see the module docstring); apply act' with :func:`_dact`."""
-        if ACT == 0:  # relu: a select, so relu(nan) = nan (tl.maximum would drop the NaN)
-            y = tl.where(z <= 0.0, 0.0, z)
-            g = tl.where(z <= 0.0, 0.0, 1.0)
-        elif ACT == 1:  # gelu (erf)
-            cdf = _gelu_cdf(z)
-            y = z * cdf
-            g = cdf + z * tl.exp(-0.5 * z * z) * 0.3989422804014327
-        elif ACT == 2:  # gelu_tanh
-            z2 = z * z
-            t = _tanh(0.7978845608028654 * (z + 0.044715 * z2 * z))
-            y = 0.5 * z * (1.0 + t)
-            g = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * z2)
-        else:  # silu
-            s = 1.0 / (1.0 + tl.exp(-z))
-            y = z * s
-            g = s * (1.0 + z * (1.0 - s))
-        return y, g
-
-    @triton.jit
-    def _dact(up, z, g, ACT: tl.constexpr):
-        """The gradient ``up`` (dL/dact) taken through the activation at z (act'(z) = g): a select
-        for relu, like torch's threshold_backward (0 where z <= 0 even for a NaN/Inf ``up``; ``up``
-        at z = NaN), else a product."""
-        if ACT == 0:
-            return tl.where(z <= 0.0, 0.0, up)
-        else:
-            return up * g
+    from fusible_ops.kernels.act_table import act_and_grad, dact
+    from fusible_ops.kernels.dropout import keep_tile
 
     @triton.jit
     def _act_fwd_kernel(
@@ -139,14 +82,14 @@ if HAS_TRITON:
         a = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             a += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        y, _ = _act_and_grad(a, ACT)
+        y, _ = act_and_grad(a, ACT)
         if GATED:
             b = tl.load(x_ptrs + n_out, mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 b += tl.load(B + n_out + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             y = y * b
         if DROPOUT:  # a product (like torch's dropout): NaN/Inf stay NaN where dropped
-            keep = _keep_tile(tl.load(SEED), rows, col0, n_out, p, BLOCK_R, BLOCK_C, OFF64)
+            keep = keep_tile(tl.load(SEED), rows, col0, n_out, p, BLOCK_R, BLOCK_C, OFF64)
             y = y * tl.where(keep, scale, 0.0)
         if HAS_SCALES:
             y = y * tl.load(S + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
@@ -208,26 +151,26 @@ if HAS_TRITON:
             else:
                 g = dy
             if DROPOUT:
-                m = tl.where(_keep_tile(seed, rows, col0, n_out, p, BLOCK_R, BLOCK_C, OFF64), scale, 0.0)
+                m = tl.where(keep_tile(seed, rows, col0, n_out, p, BLOCK_R, BLOCK_C, OFF64), scale, 0.0)
                 g = g * m
             x_ptrs = X + rows64[:, None] * stride_xr + cols[None, :]
             a = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 a += bias_a[None, :]
-            act_a, dact_a = _act_and_grad(a, ACT)
+            act_a, dact_a = act_and_grad(a, ACT)
             dx_ptrs = DX + rows64[:, None] * n_in + cols[None, :]
             if GATED:
                 b = tl.load(x_ptrs + n_out, mask=mask, other=0.0).to(tl.float32)
                 if HAS_BIAS:
                     b += bias_b[None, :]
-                da = _dact(g * b, a, dact_a, ACT)
+                da = dact(g * b, a, dact_a, ACT)
                 db = g * act_a
                 tl.store(dx_ptrs + n_out, db.to(DX.dtype.element_ty), mask=mask)
                 h = act_a * b
                 if NEED_DBIAS:
                     acc_b += tl.where(mask, db, 0.0)
             else:
-                da = _dact(g, a, dact_a, ACT)
+                da = dact(g, a, dact_a, ACT)
                 h = act_a
             tl.store(dx_ptrs, da.to(DX.dtype.element_ty), mask=mask)
             if NEED_DBIAS:
@@ -257,22 +200,22 @@ _PROGS_PER_SM = 24
 
 def _act_fwd_launch(x, bias, scales, kind, dropout_p, seed):
     """seed: [1] int64 tensor on x's device when dropout_p > 0, else None."""
-    act, gated = _check_kind(kind)
-    n_out = _out_cols(x, gated)
+    act, gated = check_kind(kind)
+    n_out = out_cols(x, gated)
     y = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    x2 = _as_rows(x)  # view when possible (column stride must be 1), else a copy
+    x2 = as_rows(x)  # view when possible (column stride must be 1), else a copy
     n_rows = x2.shape[0]
-    block_r, block_c, num_warps = _elementwise_config(n_rows, n_out)
+    block_r, block_c, num_warps = elementwise_config(n_rows, n_out)
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_out, block_c))
     bias_c = bias.contiguous() if bias is not None else x2
     scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
     _act_fwd_kernel[grid](
         x2, bias_c, scales_c, y, n_rows, n_out, x2.stride(0),
-        float(dropout_p), _keep_scale(dropout_p), seed if dropout_p > 0.0 else x2,
+        float(dropout_p), keep_scale(dropout_p), seed if dropout_p > 0.0 else x2,
         ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None,
-        DROPOUT=dropout_p > 0.0, OFF64=_off64(n_rows, n_out),
+        DROPOUT=dropout_p > 0.0, OFF64=needs_int64(n_rows, n_out),
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
     )
     return y
@@ -280,10 +223,10 @@ def _act_fwd_launch(x, bias, scales, kind, dropout_p, seed):
 
 def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout_p, seed):
     """Returns (dx, dbias or None, dscales or None); dbias/dscales in bias/scales dtype."""
-    act, gated = _check_kind(kind)
+    act, gated = check_kind(kind)
     need_dbias = need_dbias and bias is not None
     need_dscales = need_dscales and scales is not None
-    n_out = _out_cols(x, gated)
+    n_out = out_cols(x, gated)
     n_in = x.shape[-1]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_rows = x.numel() // n_in if n_in else 0
@@ -291,9 +234,9 @@ def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout
         dbias = torch.zeros(n_in, dtype=bias.dtype, device=x.device) if need_dbias else None
         dscales = torch.zeros(scales.shape, dtype=scales.dtype, device=x.device) if need_dscales else None
         return dx, dbias, dscales
-    x2 = _as_rows(x)
-    dy2 = _as_rows(dy.reshape(*x.shape[:-1], n_out))
-    block_c = max(_MIN_BLOCK_C, min(triton.next_power_of_2(n_out), _BWD_MAX_BLOCK_C))  # >= 4: _keep_tile
+    x2 = as_rows(x)
+    dy2 = as_rows(dy.reshape(*x.shape[:-1], n_out))
+    block_c = max(MIN_BLOCK_C, min(triton.next_power_of_2(n_out), _BWD_MAX_BLOCK_C))  # >= 4: keep_tile
     block_r = max(1, min(triton.next_power_of_2(n_rows), _BWD_TILE // block_c))
     num_warps = 8 if block_r * block_c >= 2048 else 4
     n_col_blocks = triton.cdiv(n_out, block_c)
@@ -308,10 +251,10 @@ def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout
     scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
     _act_bwd_kernel[(n_row_progs, n_col_blocks)](
         dy2, x2, bias_c, scales_c, dx, dbp, dsp, n_rows, n_out, dy2.stride(0), x2.stride(0),
-        rows_per_prog, float(dropout_p), _keep_scale(dropout_p), seed if dropout_p > 0.0 else x2,
+        rows_per_prog, float(dropout_p), keep_scale(dropout_p), seed if dropout_p > 0.0 else x2,
         ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None,
         NEED_DBIAS=need_dbias, NEED_DSCALES=need_dscales, DROPOUT=dropout_p > 0.0,
-        OFF64=_off64(n_rows, n_out), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
+        OFF64=needs_int64(n_rows, n_out), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
     )
     dbias = dbp.sum(0).to(bias.dtype) if need_dbias else None
     dscales = dsp.sum(0).to(scales.dtype).reshape(scales.shape) if need_dscales else None
@@ -331,8 +274,8 @@ def _bias_act_fwd_op(
 
 @_bias_act_fwd_op.register_fake
 def _(x, bias, kind, dropout_p, seed):
-    _, gated = _check_kind(kind)
-    return x.new_empty((*x.shape[:-1], _out_cols(x, gated)))
+    _, gated = check_kind(kind)
+    return x.new_empty((*x.shape[:-1], out_cols(x, gated)))
 
 
 @kernel_op("fusible_ops::bias_act_bwd", mutates_args=())
@@ -358,7 +301,7 @@ def _scaled_swiglu_fwd_op(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 @_scaled_swiglu_fwd_op.register_fake
 def _(x, scales):
-    return x.new_empty((*x.shape[:-1], _out_cols(x, True)))
+    return x.new_empty((*x.shape[:-1], out_cols(x, True)))
 
 
 @kernel_op("fusible_ops::scaled_swiglu_bwd", mutates_args=())
@@ -394,7 +337,7 @@ def bias_act_fwd(
     y is multiplied by ``1 / (1 - dropout_p)`` where kept and by 0 where dropped. NaN/Inf in z
     give what torch's activation (and dropout) give, forward and backward.
     """
-    _check_bias_act(x, bias, kind, dropout_p, seed)
+    check_bias_act(x, bias, kind, dropout_p, seed)
     seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
     if use_triton(x, bias):
         return _bias_act_fwd_op(x, bias, kind, float(dropout_p), seed)
@@ -414,7 +357,7 @@ def bias_act_bwd(
     ``need_dbias`` is False or bias is None. The Triton path computes dz and the bias
     column sums in one pass (deterministic, no atomics).
     """
-    _check_bias_act(x, bias, kind, dropout_p, seed)
+    check_bias_act(x, bias, kind, dropout_p, seed)
     need_dbias = bool(need_dbias) and bias is not None
     seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
     if use_triton(dy, x, bias):
@@ -429,7 +372,7 @@ def scaled_swiglu_fwd(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     x: ``[..., 2H]`` any strides, fp16/bf16/fp32; scales: ``x.shape[:-1]``, any float
     dtype. Returns y ``[..., H]`` contiguous in x's dtype; math in fp32.
     """
-    _check_scales(x, scales)
+    check_scales(x, scales)
     if use_triton(x, scales):
         return _scaled_swiglu_fwd_op(x, scales)
     return scaled_swiglu_fwd_ref(x, scales)
@@ -444,7 +387,7 @@ def scaled_swiglu_bwd(
     ``dscales[r] = sum_j dy[r, j] * swiglu(x)[r, j]`` accumulated in fp32, in
     scales.dtype with scales' shape, or None when ``need_dscales`` is False.
     """
-    _check_scales(x, scales)
+    check_scales(x, scales)
     if use_triton(dy, x, scales):
         dx, dscales = _scaled_swiglu_bwd_op(dy, x, scales, bool(need_dscales))
         return dx, (dscales if need_dscales else None)

@@ -35,90 +35,50 @@ from typing import Optional
 
 import torch
 
-from fusible_ops.kernels.dropout import _check_p_seed, _keep_scale, dropout_keep_mask
+from fusible_ops.kernels.act_table import ACT_IDS, GLU_BASE, act_and_grad_ref, dact_ref
+from fusible_ops.kernels.dropout import check_p_seed, dropout_keep_mask, keep_scale
+from fusible_ops.kernels.launch import compute_dtype
 
 ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "geglu_tanh", "reglu")
 GATED: frozenset[str] = frozenset({"swiglu", "geglu", "geglu_tanh", "reglu"})
 
-# kind -> (elementwise activation, gated); ids used as tl.constexpr in the kernels
-_BASE = {
-    "relu": ("relu", False), "gelu": ("gelu", False), "gelu_tanh": ("gelu_tanh", False),
-    "silu": ("silu", False), "swiglu": ("silu", True), "geglu": ("gelu", True),
-    "geglu_tanh": ("gelu_tanh", True), "reglu": ("relu", True),
-}
-_ACT_ID = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
 
-_SQRT_HALF = 0.7071067811865476  # 1/sqrt(2)
-_INV_SQRT_2PI = 0.3989422804014327  # 1/sqrt(2 pi)
-_SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2/pi)
-_GELU_C = 0.044715
+def _base(kind: str) -> str:
+    """The activation of ``kind`` (its own name, or the GLU's activation)."""
+    return GLU_BASE[kind] if kind in GATED else kind
 
 
-def _check_kind(kind: str) -> tuple[int, bool]:
-    if kind not in _BASE:
+def check_kind(kind: str) -> tuple[int, bool]:
+    """(``ACT`` constexpr of the kernels, gated) for an activation kind; ValueError if unknown."""
+    if kind not in ACTIVATIONS:
         raise ValueError(f"unknown activation kind {kind!r}; expected one of {ACTIVATIONS}")
-    base, gated = _BASE[kind]
-    return _ACT_ID[base], gated
+    return ACT_IDS[_base(kind)], kind in GATED
 
 
-def _out_cols(x: torch.Tensor, gated: bool) -> int:
+def out_cols(x: torch.Tensor, gated: bool) -> int:
+    """Columns of the activation's output for input ``x`` (half of an even last dim if gated)."""
     n = x.shape[-1]
     if gated and n % 2:
         raise ValueError(f"gated activation needs an even last dim, got {n}")
     return n // 2 if gated else n
 
 
-def _check_bias_act(x, bias, kind, dropout_p, seed):
-    _, gated = _check_kind(kind)
+def check_bias_act(x, bias, kind, dropout_p, seed) -> None:
+    """Argument checks of ``bias_act_fwd`` / ``bias_act_bwd`` (both paths)."""
+    _, gated = check_kind(kind)
     if x.dim() < 1:
         raise ValueError("bias_act: x must have at least one dimension")
-    _out_cols(x, gated)
+    out_cols(x, gated)
     if bias is not None and tuple(bias.shape) != (x.shape[-1],):
         raise ValueError(f"bias_act: bias shape {tuple(bias.shape)} != ({x.shape[-1]},)")
-    _check_p_seed(dropout_p, seed)
+    check_p_seed(dropout_p, seed)
 
 
-def _check_scales(x, scales):
-    _out_cols(x, True)
+def check_scales(x, scales) -> None:
+    """Argument checks of the scaled SwiGLU (both paths)."""
+    out_cols(x, True)
     if tuple(scales.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"scaled_swiglu: scales shape {tuple(scales.shape)} != {tuple(x.shape[:-1])}")
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _act_and_grad_ref(z: torch.Tensor, base: str, need_grad: bool):
-    """(act(z), act'(z) or None), the kernel's formulas; apply act' with :func:`_dact_ref`."""
-    g = None
-    if base == "relu":
-        y = torch.relu(z)  # NaN stays NaN
-        if need_grad:
-            g = torch.where(z <= 0, 0.0, 1.0).to(z.dtype)  # 1 at NaN, like torch
-    elif base == "gelu":
-        cdf = 0.5 * (1.0 + torch.erf(z * _SQRT_HALF))
-        y = z * cdf
-        if need_grad:
-            g = cdf + z * torch.exp(-0.5 * z * z) * _INV_SQRT_2PI
-    elif base == "gelu_tanh":
-        t = torch.tanh(_SQRT_2_OVER_PI * (z + _GELU_C * z * z * z))
-        y = 0.5 * z * (1.0 + t)
-        if need_grad:
-            g = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * _GELU_C * z * z)
-    else:  # silu
-        s = torch.sigmoid(z)
-        y = z * s
-        if need_grad:
-            g = s * (1.0 + z * (1.0 - s))
-    return y, g
-
-
-def _dact_ref(up: torch.Tensor, z: torch.Tensor, g: torch.Tensor, base: str) -> torch.Tensor:
-    """The upstream gradient ``up`` taken through the activation at z: relu selects (torch's
-    threshold_backward: 0 where z <= 0 even for NaN/Inf ``up``), the others multiply."""
-    if base == "relu":
-        return torch.where(z <= 0, torch.zeros((), dtype=up.dtype, device=up.device), up)
-    return up * g
 
 
 def _halves(z):
@@ -136,7 +96,7 @@ def _drop_factor_ref(shape, dropout_p, seed, device, cd) -> Optional[torch.Tenso
     if dropout_p <= 0.0:
         return None
     keep = dropout_keep_mask(shape, dropout_p, seed, device)
-    return torch.where(keep, torch.tensor(_keep_scale(dropout_p), dtype=cd, device=device),
+    return torch.where(keep, torch.tensor(keep_scale(dropout_p), dtype=cd, device=device),
                        torch.zeros((), dtype=cd, device=device))
 
 
@@ -146,15 +106,15 @@ def bias_act_fwd_ref(
 ) -> torch.Tensor:
     """Pure-torch :func:`~fusible_ops.kernels.activation.bias_act_fwd` (fp32 math, fp64 for fp64
     x; same dropout mask, computed from the seed tensor with tensor ops only)."""
-    _check_bias_act(x, bias, kind, dropout_p, seed)
-    base, gated = _BASE[kind]
-    cd = _compute_dtype(x)
+    check_bias_act(x, bias, kind, dropout_p, seed)
+    base, gated = _base(kind), kind in GATED
+    cd = compute_dtype(x.dtype)
     z = _z_ref(x, bias, cd)
     if gated:
         a, b = _halves(z)
-        y = _act_and_grad_ref(a, base, False)[0] * b
+        y = act_and_grad_ref(a, base, False)[0] * b
     else:
-        y = _act_and_grad_ref(z, base, False)[0]
+        y = act_and_grad_ref(z, base, False)[0]
     m = _drop_factor_ref(y.shape, dropout_p, seed, x.device, cd)
     if m is not None:
         y = y * m
@@ -167,9 +127,9 @@ def bias_act_bwd_ref(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Pure-torch :func:`~fusible_ops.kernels.activation.bias_act_bwd` (fp32 math, fp64 for fp64
     x; same dropout mask)."""
-    _check_bias_act(x, bias, kind, dropout_p, seed)
-    base, gated = _BASE[kind]
-    cd = _compute_dtype(x)
+    check_bias_act(x, bias, kind, dropout_p, seed)
+    base, gated = _base(kind), kind in GATED
+    cd = compute_dtype(x.dtype)
     z = _z_ref(x, bias, cd)
     g = dy.to(cd)
     m = _drop_factor_ref(g.shape, dropout_p, seed, x.device, cd)
@@ -177,10 +137,10 @@ def bias_act_bwd_ref(
         g = g * m
     if gated:
         a, b = _halves(z)
-        act_a, dact_a = _act_and_grad_ref(a, base, True)
-        dz = torch.cat([_dact_ref(g * b, a, dact_a, base), g * act_a], dim=-1)
+        act_a, dact_a = act_and_grad_ref(a, base, True)
+        dz = torch.cat([dact_ref(g * b, a, dact_a, base), g * act_a], dim=-1)
     else:
-        dz = _dact_ref(g, z, _act_and_grad_ref(z, base, True)[1], base)
+        dz = dact_ref(g, z, act_and_grad_ref(z, base, True)[1], base)
     dbias = None
     if need_dbias and bias is not None:
         dbias = (dz.reshape(-1, dz.shape[-1]).sum(0) if dz.shape[-1] else dz.new_zeros(0)).to(bias.dtype)
@@ -189,8 +149,8 @@ def bias_act_bwd_ref(
 
 def scaled_swiglu_fwd_ref(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Pure-torch :func:`~fusible_ops.kernels.activation.scaled_swiglu_fwd` (fp32, fp64 for fp64)."""
-    _check_scales(x, scales)
-    cd = _compute_dtype(x)
+    check_scales(x, scales)
+    cd = compute_dtype(x.dtype)
     a, b = _halves(x.to(cd))
     return (torch.nn.functional.silu(a) * b * scales.to(cd)[..., None]).to(x.dtype)
 
@@ -199,11 +159,11 @@ def scaled_swiglu_bwd_ref(
     dy: torch.Tensor, x: torch.Tensor, scales: torch.Tensor, need_dscales: bool
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Pure-torch :func:`~fusible_ops.kernels.activation.scaled_swiglu_bwd` (fp32, fp64 for fp64)."""
-    _check_scales(x, scales)
-    cd = _compute_dtype(x)
+    check_scales(x, scales)
+    cd = compute_dtype(x.dtype)
     a, b = _halves(x.to(cd))
     dyc = dy.to(cd)
-    act_a, dact_a = _act_and_grad_ref(a, "silu", True)
+    act_a, dact_a = act_and_grad_ref(a, "silu", True)
     g = dyc * scales.to(cd)[..., None]
     dx = torch.cat([g * b * dact_a, g * act_a], dim=-1).to(x.dtype)
     dscales = (dyc * act_a * b).sum(-1).to(scales.dtype) if need_dscales else None
@@ -213,6 +173,10 @@ def scaled_swiglu_bwd_ref(
 __all__ = [
     "ACTIVATIONS",
     "GATED",
+    "check_bias_act",
+    "check_kind",
+    "check_scales",
+    "out_cols",
     "bias_act_bwd_ref",
     "bias_act_fwd_ref",
     "scaled_swiglu_bwd_ref",

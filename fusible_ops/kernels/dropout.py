@@ -15,7 +15,7 @@ elements):
   +-Inf input stays NaN even where dropped (``inf * 0``); ``p == 1`` multiplies by 0.
 * Counters are int32 when ``rows * C4 < 2**31``, else int64 (same values either way).
 
-Kernels get the mask of a ``[BLOCK_R, BLOCK_C]`` tile from :func:`_keep_tile` (the tile's
+Kernels get the mask of a ``[BLOCK_R, BLOCK_C]`` tile from :func:`keep_tile` (the tile's
 first column must be a multiple of ``BLOCK_C``, a power of two ``>= 4``). The ``*_ref`` path
 re-implements that Philox stream in pure torch (int64 arithmetic with 32-bit masking,
 :func:`philox_rand4_ref`), so CPU references and GPU kernels draw bit-identical masks.
@@ -35,14 +35,15 @@ from typing import Optional, Union
 
 import torch
 
-from fusible_ops.kernels import HAS_TRITON, kernel_op, use_triton
+from fusible_ops.kernels import HAS_TRITON, use_triton
+from fusible_ops.kernels.launch import as_rows, compute_dtype, elementwise_config, kernel_op, needs_int64
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _keep_tile(
+    def keep_tile(
         seed,  # Philox key: an integer scalar (int64 seeds use both 32-bit words)
         rows,  # [BLOCK_R] row indices (int32 or int64) in the [n_rows, n_cols] view
         col_block_start,  # first column of the tile: a multiple of BLOCK_C
@@ -90,23 +91,12 @@ if HAS_TRITON:
         mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
         rows64 = rows.to(tl.int64)
         x = tl.load(X + rows64[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0)
-        keep = _keep_tile(tl.load(SEED), rows, col0, n_cols, p, BLOCK_R, BLOCK_C, OFF64)
+        keep = keep_tile(tl.load(SEED), rows, col0, n_cols, p, BLOCK_R, BLOCK_C, OFF64)
         y = x.to(tl.float32) * tl.where(keep, scale, 0.0)  # a product: NaN/Inf stay NaN where dropped
         tl.store(Y + rows64[:, None] * n_cols + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------- launchers
-
-
-def _as_rows(x: torch.Tensor) -> torch.Tensor:
-    """A 2-D ``[rows, cols]`` view of ``x`` (row-major order kept) with column stride 1.
-
-    Views when the strides allow it; otherwise copies (``reshape`` / ``contiguous``).
-    """
-    x2 = x.reshape(1, -1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
-    if x2.shape[1] > 1 and x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    return x2
 
 
 def _check_p(p: float) -> None:
@@ -137,7 +127,7 @@ def seed_tensor(seed: Seed, device) -> torch.Tensor:
     return torch.tensor([seed], dtype=torch.int64, device=device)
 
 
-def _check_p_seed(p: float, seed: Optional[Seed]) -> None:
+def check_p_seed(p: float, seed: Optional[Seed]) -> None:
     """p in [0, 1]; a seed is needed when p > 0 (an int seed is range-checked on the host)."""
     _check_p(p)
     if p > 0.0 and seed is None:
@@ -146,31 +136,9 @@ def _check_p_seed(p: float, seed: Optional[Seed]) -> None:
         _check_int_seed(seed)
 
 
-def _keep_scale(p: float) -> float:
+def keep_scale(p: float) -> float:
     """Scale applied to kept values (0.0 when p == 1: everything is dropped)."""
     return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
-
-
-_EW_MAX_BLOCK_C = 1024  # tile caps of elementwise passes (tests shrink them to get many programs)
-_EW_TILE = 4096
-_MIN_BLOCK_C = 4  # _keep_tile draws 4 columns per Philox call
-_OFF64_MIN = 2**31  # counters >= this need int64 (tests lower it to run the int64 path)
-
-
-def _off64(n_rows: int, n_cols: int) -> bool:
-    """Whether the mask counters of an ``[n_rows, n_cols]`` view need int64."""
-    return n_rows * ((n_cols + 3) // 4) >= _OFF64_MIN
-
-
-def _elementwise_config(n_rows: int, n_cols: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_C, num_warps) for a memory-bound elementwise pass: ~4096-element tiles.
-
-    BLOCK_C is a power of two >= 4 (dropout masks draw 4 columns per Philox call).
-    """
-    block_c = max(_MIN_BLOCK_C, min(triton.next_power_of_2(max(n_cols, 1)), _EW_MAX_BLOCK_C))
-    block_r = max(1, min(triton.next_power_of_2(max(n_rows, 1)), _EW_TILE // block_c))
-    num_warps = 8 if block_r * block_c >= 4096 else 4
-    return block_r, block_c, num_warps
 
 
 def _dropout_launch(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
@@ -179,13 +147,13 @@ def _dropout_launch(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tens
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return y
-    x2 = _as_rows(x)
+    x2 = as_rows(x)
     n_rows, n_cols = x2.shape
-    block_r, block_c, num_warps = _elementwise_config(n_rows, n_cols)
+    block_r, block_c, num_warps = elementwise_config(n_rows, n_cols)
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
     _dropout_kernel[grid](
-        x2, y, n_rows, n_cols, x2.stride(0), float(p), _keep_scale(p), seed,
-        BLOCK_R=block_r, BLOCK_C=block_c, OFF64=_off64(n_rows, n_cols), num_warps=num_warps,
+        x2, y, n_rows, n_cols, x2.stride(0), float(p), keep_scale(p), seed,
+        BLOCK_R=block_r, BLOCK_C=block_c, OFF64=needs_int64(n_rows, n_cols), num_warps=num_warps,
     )
     return y
 
@@ -214,7 +182,7 @@ def dropout_fwd(x: torch.Tensor, p: float, seed: Optional[Seed] = None) -> torch
     needed); ``p == 1`` multiplies by zero. seed: an int64 tensor with one element (see the
     module docstring; a Python int in ``[0, 2**31)`` is accepted too).
     """
-    _check_p_seed(p, seed)
+    check_p_seed(p, seed)
     if p == 0.0:
         return x
     seed = seed_tensor(seed, x.device)
@@ -229,7 +197,7 @@ def dropout_bwd(dy: torch.Tensor, p: float, seed: Optional[Seed] = None) -> torc
     dy: the output gradient (shape of the forward's x, any strides). Returns dx with dy's
     shape and dtype. ``p == 0`` returns ``dy`` itself; ``p == 1`` multiplies by zero.
     """
-    _check_p_seed(p, seed)
+    check_p_seed(p, seed)
     if p == 0.0:
         return dy
     seed = seed_tensor(seed, dy.device)
@@ -335,7 +303,7 @@ def dropout_keep_mask(shape, p: float, seed: Optional[Seed], device) -> torch.Te
     All True for ``p == 0``, all False for ``p == 1``. seed: as for :func:`dropout_fwd` (a
     tensor seed is read with tensor ops only: no host sync, traceable by ``torch.compile``).
     """
-    _check_p_seed(p, seed)
+    check_p_seed(p, seed)
     shape = tuple(shape)
     if p == 0.0:
         return torch.ones(shape, dtype=torch.bool, device=device)
@@ -356,16 +324,16 @@ def dropout_keep_mask(shape, p: float, seed: Optional[Seed], device) -> torch.Te
 
 
 def _apply_mask_ref(x: torch.Tensor, p: float, seed: Seed) -> torch.Tensor:
-    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cd = compute_dtype(x.dtype)
     keep = dropout_keep_mask(x.shape, p, seed, x.device)
-    m = torch.where(keep, torch.tensor(_keep_scale(p), dtype=cd, device=x.device),
+    m = torch.where(keep, torch.tensor(keep_scale(p), dtype=cd, device=x.device),
                     torch.zeros((), dtype=cd, device=x.device))
     return (x.to(cd) * m).to(x.dtype)  # a product, as in the kernel: NaN/Inf stay NaN where dropped
 
 
 def dropout_fwd_ref(x: torch.Tensor, p: float, seed: Optional[Seed] = None) -> torch.Tensor:
     """Pure-torch :func:`dropout_fwd` (same mask, fp32 math; fp64 for fp64 inputs)."""
-    _check_p_seed(p, seed)
+    check_p_seed(p, seed)
     if p == 0.0:
         return x
     return _apply_mask_ref(x, p, seed)
@@ -373,18 +341,20 @@ def dropout_fwd_ref(x: torch.Tensor, p: float, seed: Optional[Seed] = None) -> t
 
 def dropout_bwd_ref(dy: torch.Tensor, p: float, seed: Optional[Seed] = None) -> torch.Tensor:
     """Pure-torch :func:`dropout_bwd` (same mask, fp32 math; fp64 for fp64 inputs)."""
-    _check_p_seed(p, seed)
+    check_p_seed(p, seed)
     if p == 0.0:
         return dy
     return _apply_mask_ref(dy, p, seed)
 
 
 __all__ = [
+    "check_p_seed",
     "dropout_bwd",
     "dropout_bwd_ref",
     "dropout_fwd",
     "dropout_fwd_ref",
     "dropout_keep_mask",
+    "keep_scale",
     "philox_rand4_ref",
     "philox_rand_ref",
     "seed_tensor",

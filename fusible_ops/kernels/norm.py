@@ -1,11 +1,8 @@
 """LayerNorm and RMSNorm over the last dimension, with an optional fused residual add.
 
-Layout: ``@triton.jit`` kernels (one forward and one backward kernel, each branching on constexpr
-flags into the variants below, built from small ``@triton.jit`` helpers that Triton inlines),
-then the launchers, then the ``torch.library`` custom ops ``fusible_ops::{layernorm,rmsnorm}_{fwd,bwd}``
-with their fake implementations, then the pure-torch ``*_ref`` twins (defined in
-:mod:`fusible_ops.kernels.norm_ref`, re-exported here), then the public functions, which dispatch
-with :func:`fusible_ops.kernels.use_triton`.
+Layout: one forward and one backward ``@triton.jit`` kernel (constexpr flags select the variants
+below; built from small jit helpers), launchers, custom ops ``fusible_ops::{layernorm,rmsnorm}_{fwd,bwd}``
+with fakes, the ``*_ref`` twins (in :mod:`.norm_ref`, re-exported), public functions.
 
 Math (fp32 inside the kernels for every input dtype; results cast back):
 
@@ -19,20 +16,15 @@ Math (fp32 inside the kernels for every input dtype; results cast back):
   ``dweight = sum_rows(dy * xhat)``, ``dbias = sum_rows(dy)``. Row partials of ``dweight``/``dbias``
   go to a ``[num_programs, N]`` fp32 buffer that torch then sums: deterministic, no atomics.
 
-Kernel configs (explicit, see ``_fwd_config`` / ``_bwd_config``; register use checked with ptxas
-for sm_90 at <= 128 registers and no spills): rows of up to ``_FWD_MAX_FUSED_N`` (forward) /
-``_BWD_MAX_FUSED_N`` (backward) columns are held in registers as one block, several rows per
-program when N is small (~``_TILE`` elements per program). Wider forward rows (and, without a
-residual, rows wider than ``_FWD_NORES_MAX_FUSED_N``) take the ``LOOP`` variant, a loop over column
-blocks (pass 1 statistics, pass 2 output; the re-read mostly hits L2). Backward rows wider than
-``_BWD_RELOAD_MIN_N`` load xsum/dy twice (``RELOAD``: row sums, then dx and the partials) so only
-the partials stay live in registers; for LayerNorm such rows (``>= _BWD_HALVES_MIN_N``) take the
-``"halves"`` variant (re-load half a row at a time) and dbias is a separate fp32 column sum of dy
-(``>= _BWD_DB_COLSUM_MIN_N``), so only the dweight partials stay live. Wider backward rows take
-the ``"sliced"`` variant, a grid of (column slices x row programs): each program sums over the
-whole row, then writes dx and accumulates dweight/dbias for its own slice only.
-Inputs only need a unit stride on the last dimension; anything else is copied by ``.contiguous()``
-in the launcher. Outputs are freshly allocated, contiguous.
+Configs (explicit, see ``_fwd_config`` / ``_bwd_config``; register use checked with ptxas for
+sm_90): rows of up to ``_FWD_MAX_FUSED_N`` / ``_BWD_MAX_FUSED_N`` columns are held in registers
+(several rows per program when N is small). Forward variants: whole rows, or ``LOOP`` (wider
+rows, or rows wider than ``_FWD_NORES_MAX_FUSED_N`` without residual: statistics pass, then
+output pass). Backward variants (``VARIANT``): ``"fused"`` (rows >= ``_BWD_RELOAD_MIN_N`` re-load
+xsum/dy for dx, ``RELOAD``), ``"halves"`` (LayerNorm, rows >= ``_BWD_HALVES_MIN_N``: half a row
+at a time; dbias then a separate fp32 column sum of dy) and ``"sliced"`` (wider rows: column
+slices x row programs). Inputs need a unit stride on the last dim (else copied); outputs are
+fresh and contiguous.
 """
 
 from __future__ import annotations
@@ -43,7 +35,8 @@ from typing import Optional
 
 import torch
 
-from . import HAS_TRITON, TRITON_DTYPES, kernel_op, num_sms, use_triton
+from . import HAS_TRITON, use_triton
+from .launch import TRITON_DTYPES, as_rows, kernel_op, num_sms
 from .norm_ref import (  # noqa: F401  (re-exported: one module to import)
     layernorm_bwd_ref,
     layernorm_fwd_ref,
@@ -51,13 +44,11 @@ from .norm_ref import (  # noqa: F401  (re-exported: one module to import)
     rmsnorm_fwd_ref,
 )
 
-_TRITON_DTYPES = TRITON_DTYPES
 
 # ---- configuration (explicit and small; tests shrink the thresholds to exercise the wide-row variants)
 _TILE = 2048  # elements per program tile when N is small (rows per program = _TILE // BLOCK_N)
 _FWD_MAX_FUSED_N = 16384  # forward: widest row held in registers as one block (32 warps)
-_FWD_NORES_MAX_FUSED_N = 8192  # forward without residual: wider rows take the loop variant (faster:
-# H200, [16384, 16384] bf16: 0.39 ms loop vs 0.66 ms fused; with residual the fused one wins)
+_FWD_NORES_MAX_FUSED_N = 8192  # forward without residual: wider rows loop (H200 16384^2: 0.39 vs 0.66 ms)
 _FWD_LOOP_BLOCK_N = 8192  # forward, wider rows: column block of the two-pass loop variant
 _BWD_MAX_FUSED_N = 16384  # backward: widest row held in registers with its dweight/dbias partials
 _BWD_SLICE_N = 8192  # backward, wider rows: column slice per program of the sliced variant
@@ -65,15 +56,13 @@ _FWD_WARPS_CAP = 32  # forward: most warps per program of the fused variant
 _FWD_LOOP_WARPS = 16  # forward loop variant warps (0: BLOCK_N // 256, at least 4)
 _BWD_WARPS_CAP = 16  # backward: most warps per program of the fused variant
 _BWD_SLICE_WARPS = 16  # backward sliced variant: most warps per program
-_BWD_RELOAD_MIN_N = 8193  # backward fused: re-load xsum/dy (L1/L2 hit) for dx instead of keeping
-# them live (H200, [16384, 16384] bf16 LayerNorm: 0.97 ms vs 2.56 ms for the old 4096-wide slices)
+_BWD_RELOAD_MIN_N = 8193  # backward fused: re-load xsum/dy for dx (H200 LayerNorm 16384^2: 0.97 vs 2.56 ms)
 _BWD_PROGS_PER_SM = 0  # backward fused: persistent programs per SM (0: 32 // num_warps)
 _BWD_HALVES_MIN_N = 8193  # LayerNorm backward, n >= this (and <= _BWD_MAX_FUSED_N): halves variant
 _BWD_HALVES_WARPS = 16  # backward halves variant: warps per program
-# H200, [16384, 16384] bf16 LayerNorm bwd: 0.983 ms fused RELOAD -> 0.838 colsum -> 0.816 ms colsum +
-# halves (16 warps, 2/SM); RMSNorm keeps the fused RELOAD variant (0.600 ms vs 0.643 ms with halves)
-_BWD_DB_COLSUM_MIN_N = 8193  # backward fused, n >= this: dbias is a separate fp32 column sum of
-# dy (torch), so the kernel keeps only the dweight partials live (LayerNorm then fits 2 programs/SM)
+_BWD_DB_COLSUM_MIN_N = 8193  # n >= this: dbias is a separate fp32 column sum of dy (torch), the kernel keeps
+# only dweight partials live. H200 LayerNorm bwd 16384^2: fused RELOAD 0.983 ms -> colsum + halves 0.816 ms;
+# RMSNorm keeps fused RELOAD (0.600 ms vs 0.643 ms with halves)
 
 if HAS_TRITON:
     import triton
@@ -135,6 +124,13 @@ if HAS_TRITON:
         if HAS_DXE:
             dx += tl.load(DXE + rows * stride_dxe + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _row_ptrs(DY, XS, MEAN, RSTD, row, stride_dy, stride_xs, IS_RMS: tl.constexpr):
+        # one row: (row as int64, xsum row pointer, dy row pointer, mean (0 for RMSNorm), rstd)
+        row64 = tl.cast(row, tl.int64)
+        mean = 0.0 if IS_RMS else tl.load(MEAN + row)
+        return row64, XS + row64 * stride_xs, DY + row64 * stride_dy, mean, tl.load(RSTD + row)
 
     @triton.jit
     def _acc_partials(dw, db, dy, xhat, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr):
@@ -290,14 +286,7 @@ if HAS_TRITON:
             db0 = tl.zeros([BLOCK_N], dtype=tl.float32)
             db1 = tl.zeros([BLOCK_N], dtype=tl.float32)
             for row in range(pid, n_rows, nprog):
-                row64 = tl.cast(row, tl.int64)
-                xs_r = XS + row64 * stride_xs
-                dy_r = DY + row64 * stride_dy
-                rstd = tl.load(RSTD + row)
-                if IS_RMS:
-                    mean = 0.0
-                else:
-                    mean = tl.load(MEAN + row)
+                row64, xs_r, dy_r, mean, rstd = _row_ptrs(DY, XS, MEAN, RSTD, row, stride_dy, stride_xs, IS_RMS)
                 c1 = 0.0
                 c2 = 0.0
                 for h in tl.static_range(2):
@@ -336,14 +325,7 @@ if HAS_TRITON:
             dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             for row in range(pid, n_rows, nprog):
-                row64 = tl.cast(row, tl.int64)
-                xs_r = XS + row64 * stride_xs
-                dy_r = DY + row64 * stride_dy
-                rstd = tl.load(RSTD + row)
-                if IS_RMS:
-                    mean = 0.0
-                else:
-                    mean = tl.load(MEAN + row)
+                row64, xs_r, dy_r, mean, rstd = _row_ptrs(DY, XS, MEAN, RSTD, row, stride_dy, stride_xs, IS_RMS)
                 c1 = 0.0
                 c2 = 0.0
                 for off in range(0, N, BLOCK_N):
@@ -390,17 +372,6 @@ def _bwd_config(n: int, rows: int) -> tuple[bool, int, int, int]:
     return (False,) + _fused_config(n, rows, fwd=False)
 
 
-def _rows2d(t: Optional[torch.Tensor], n: int, default: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[..., n] -> [rows, n] view (copy only if the last dim is strided or dims don't merge);
-    ``default`` for a None ``t`` (a placeholder pointer for an absent input)."""
-    if t is None:
-        return default
-    t2 = t.reshape(-1, n)
-    if n > 1 and t2.stride(1) != 1:
-        t2 = t2.contiguous()
-    return t2
-
-
 def _device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
@@ -430,8 +401,8 @@ def _norm_fwd_launch(x, weight, bias, eps, residual, is_rms):
         mean.fill_(float("nan"))
         return y, mean, rstd, xsum
     weight, bias = _contiguous(weight), _contiguous(bias)
-    x2 = _rows2d(x, n)
-    r2 = _rows2d(residual, n, default=x2)
+    x2 = as_rows(x)
+    r2 = as_rows(residual) if residual is not None else x2
     xs2 = xsum.view(rows, n) if residual is not None else x2
     y2 = y.view(rows, n)
     loop, block_m, block_n, warps = _fwd_config(n, rows, residual is not None)
@@ -463,9 +434,9 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
         db = torch.zeros(n, dtype=pdtype, device=xsum.device) if need_dbias else empty()
         return dx, dw, db  # dx is empty; the sums over no rows are zeros
     weight = _contiguous(weight)
-    dy2 = _rows2d(dy, n)
-    xs2 = _rows2d(xsum, n)
-    dxe2 = _rows2d(dxsum_extra, n, default=dy2)
+    dy2 = as_rows(dy)
+    xs2 = as_rows(xsum)
+    dxe2 = as_rows(dxsum_extra) if dxsum_extra is not None else dy2
     dx2 = dx.view(rows, n)
     sliced, block_m, block_n, warps = _bwd_config(n, rows)
     halves = not sliced and n >= _BWD_HALVES_MIN_N and not is_rms
@@ -561,10 +532,7 @@ if HAS_TRITON:
         dx, dw, _ = _fake_bwd(xsum, weight, need_dweight, False)
         return dx, dw
 
-
-# ---- pure-torch references: the ``*_ref`` twins live in :mod:`fusible_ops.kernels.norm_ref`
-# (imported at the top and re-exported: layernorm_fwd_ref, layernorm_bwd_ref, rmsnorm_fwd_ref,
-# rmsnorm_bwd_ref)
+# ---- the pure-torch ``*_ref`` twins live in norm_ref.py (imported at the top, re-exported)
 
 
 # ---- public API
@@ -590,7 +558,7 @@ def layernorm_fwd(x, weight, bias, eps, residual=None):
     float64 inputs always take the reference path (float64 math and stats).
     """
     _check("layernorm_fwd", x, residual, weight=weight, bias=bias)
-    if x.dtype in _TRITON_DTYPES and use_triton(x, weight, bias, residual):
+    if x.dtype in TRITON_DTYPES and use_triton(x, weight, bias, residual):
         y, mean, rstd, xsum = _layernorm_fwd_op(x, weight, bias, float(eps), residual)
         return y, mean, rstd, (xsum if residual is not None else x)
     return layernorm_fwd_ref(x, weight, bias, eps, residual)
@@ -607,7 +575,7 @@ def layernorm_bwd(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_
     deterministically, or None when not needed (then not computed; dweight is None if weight is).
     """
     _check("layernorm_bwd", xsum, dy, weight=weight)
-    if xsum.dtype in _TRITON_DTYPES and use_triton(dy, xsum, weight, mean, rstd, dxsum_extra):
+    if xsum.dtype in TRITON_DTYPES and use_triton(dy, xsum, weight, mean, rstd, dxsum_extra):
         dx, dw, db = _layernorm_bwd_op(
             dy, xsum, weight, mean, rstd, bool(need_dweight), bool(need_dbias), dxsum_extra
         )
@@ -623,7 +591,7 @@ def rmsnorm_fwd(x, weight, eps, residual=None):
     :func:`layernorm_fwd` (``x`` itself without residual).
     """
     _check("rmsnorm_fwd", x, residual, weight=weight)
-    if x.dtype in _TRITON_DTYPES and use_triton(x, weight, residual):
+    if x.dtype in TRITON_DTYPES and use_triton(x, weight, residual):
         y, rstd, xsum = _rmsnorm_fwd_op(x, weight, float(eps), residual)
         return y, rstd, (xsum if residual is not None else x)
     return rmsnorm_fwd_ref(x, weight, eps, residual)
@@ -636,7 +604,7 @@ def rmsnorm_bwd(dy, xsum, weight, rstd, need_dweight, dxsum_extra=None):
     the weight's dtype (fp32 accumulation, deterministic) or None when not needed.
     """
     _check("rmsnorm_bwd", xsum, dy, weight=weight)
-    if xsum.dtype in _TRITON_DTYPES and use_triton(dy, xsum, weight, rstd, dxsum_extra):
+    if xsum.dtype in TRITON_DTYPES and use_triton(dy, xsum, weight, rstd, dxsum_extra):
         dx, dw = _rmsnorm_bwd_op(dy, xsum, weight, rstd, bool(need_dweight), dxsum_extra)
         return dx, (dw if need_dweight and weight is not None else None)
     return rmsnorm_bwd_ref(dy, xsum, weight, rstd, need_dweight, dxsum_extra)

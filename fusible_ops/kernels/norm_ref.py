@@ -11,13 +11,11 @@ import math
 
 import torch
 
-
-def _cdtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+from .launch import compute_dtype
 
 
 def _ref_fwd(x, weight, bias, eps, residual, is_rms):
-    ct = _cdtype(x)
+    ct = compute_dtype(x.dtype)
     n = x.shape[-1]
     xsum = (x.to(ct) + residual.to(ct)).to(x.dtype) if residual is not None else x
     rows = math.prod(x.shape[:-1])
@@ -38,7 +36,7 @@ def _ref_fwd(x, weight, bias, eps, residual, is_rms):
 
 
 def _ref_bwd(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra, is_rms):
-    ct = _cdtype(xsum)
+    ct = compute_dtype(xsum.dtype)
     n = xsum.shape[-1]
     pdtype = weight.dtype if weight is not None else xsum.dtype
     rows = math.prod(xsum.shape[:-1])

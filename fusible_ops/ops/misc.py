@@ -161,11 +161,11 @@ class Dropout(BasicOperation):
         otherwise returns ``x``."""
         if not self.active:
             return x
-        from ..kernels.dropout import _keep_scale, dropout_keep_mask
+        from ..kernels.dropout import dropout_keep_mask, keep_scale
 
         seed = self.draw_seed(x.device)
         keep = dropout_keep_mask(x.shape, self.p, seed, x.device)
-        return x * keep.to(x.dtype) * _keep_scale(self.p)
+        return x * keep.to(x.dtype) * keep_scale(self.p)
 
 
 class Reshape(BasicOperation):

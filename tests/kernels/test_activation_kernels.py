@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import fusible_ops.kernels as K
 from fusible_ops.kernels import activation as A
 from fusible_ops.kernels import dropout as D
+from fusible_ops.kernels import launch
 from fusible_ops.testing import assert_close, assert_close_norm
 
 _BASE64 = {
@@ -24,8 +25,8 @@ def S(seed: int, device="cpu") -> torch.Tensor:
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiny tiles / few programs so that small shapes exercise multi-program grids and row loops."""
-    monkeypatch.setattr(D, "_EW_MAX_BLOCK_C", 16)
-    monkeypatch.setattr(D, "_EW_TILE", 64)
+    monkeypatch.setattr(launch, "EW_MAX_BLOCK_C", 16)
+    monkeypatch.setattr(launch, "EW_TILE", 64)
     monkeypatch.setattr(A, "_BWD_MAX_BLOCK_C", 16)
     monkeypatch.setattr(A, "_BWD_TILE", 32)
 
@@ -139,7 +140,7 @@ def test_dropout_mask_is_mask_of_y_fwd_and_bwd(off64, monkeypatch):
     """Fused kernels draw dropout_keep_mask(y.shape) bit-exactly, forward and backward, on odd widths
     (int32 counters, and int64 ones forced by lowering the threshold)."""
     if off64:
-        monkeypatch.setattr(D, "_OFF64_MIN", 0)
+        monkeypatch.setattr(launch, "INT64_MIN_COUNTERS", 0)
     monkeypatch.setattr(A, "_BWD_MAX_BLOCK_C", 8)  # several column tiles in the backward
     monkeypatch.setattr(A, "_BWD_TILE", 32)
     for i, (rows, cols) in enumerate([(6, 10), (3, 5), (7, 33), (1, 1)]):
@@ -265,7 +266,7 @@ def test_gpu_scaled_swiglu_matches_float64(dtype):
 def test_gpu_dropout_mask_odd_widths_both_counter_widths(monkeypatch):
     for off64 in (False, True):
         if off64:
-            monkeypatch.setattr(D, "_OFF64_MIN", 0)
+            monkeypatch.setattr(launch, "INT64_MIN_COUNTERS", 0)
         for i, (rows, cols) in enumerate([(3, 5), (7, 33), (1, 1), (1031, 1027), (5, 4099)]):
             x = torch.rand(rows, cols, device="cuda") + 1.0
             xg = torch.cat([x, x], -1).to(torch.bfloat16)

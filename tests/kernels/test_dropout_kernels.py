@@ -5,6 +5,7 @@ import torch
 
 import fusible_ops.kernels as K
 from fusible_ops.kernels import dropout as D
+from fusible_ops.kernels import launch
 from fusible_ops.testing import assert_close
 
 triton = pytest.importorskip("triton")
@@ -55,13 +56,13 @@ def _rand4_seed_ptr_kernel(OFFS, OUT, n, SEED, BLOCK: tl.constexpr):
 def _keep_tile_kernel(ROWS, OUT, n_rows, n_cols, p, seed, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                       OFF64: tl.constexpr):
     # ROWS [n_rows] int64 row indices (may be huge: counters with a non-zero high word);
-    # OUT [n_rows, n_cols] int8 keep mask of those rows from D._keep_tile
+    # OUT [n_rows, n_cols] int8 keep mask of those rows from D.keep_tile
     i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     col0 = tl.program_id(1) * BLOCK_C
     cols = col0 + tl.arange(0, BLOCK_C)
     rm = i < n_rows
     rows = tl.load(ROWS + i, mask=rm, other=0)
-    keep = D._keep_tile(seed, rows, col0, n_cols, p, BLOCK_R, BLOCK_C, OFF64)
+    keep = D.keep_tile(seed, rows, col0, n_cols, p, BLOCK_R, BLOCK_C, OFF64)
     m = rm[:, None] & (cols < n_cols)[None, :]
     tl.store(OUT + i[:, None] * n_cols + cols[None, :], keep.to(tl.int8), mask=m)
 
@@ -69,15 +70,15 @@ def _keep_tile_kernel(ROWS, OUT, n_rows, n_cols, p, seed, BLOCK_R: tl.constexpr,
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiny tiles so that small shapes still span several programs in both grid dims."""
-    monkeypatch.setattr(D, "_EW_MAX_BLOCK_C", 16)
-    monkeypatch.setattr(D, "_EW_TILE", 64)
+    monkeypatch.setattr(launch, "EW_MAX_BLOCK_C", 16)
+    monkeypatch.setattr(launch, "EW_TILE", 64)
 
 
 @pytest.fixture(params=["off32", "off64"])
 def counters(request, monkeypatch):
     """Runs a test with int32 mask counters (the default at small sizes) and with int64 ones."""
     if request.param == "off64":
-        monkeypatch.setattr(D, "_OFF64_MIN", 0)
+        monkeypatch.setattr(launch, "INT64_MIN_COUNTERS", 0)
     return request.param
 
 
@@ -206,8 +207,8 @@ def test_triton_mask_bit_exact_odd_shapes(tiles, counters, monkeypatch):
     """The Triton kernel's mask equals the ref mask exactly, incl. cols not a multiple of 4."""
     shapes = [(3, 5), (7, 33), (1, 1), (5, 1026), (2, 3, 6), (9,), ()]
     if tiles == "small":  # many programs per dim (small widths: the interpreter is slow)
-        monkeypatch.setattr(D, "_EW_MAX_BLOCK_C", 8)
-        monkeypatch.setattr(D, "_EW_TILE", 32)
+        monkeypatch.setattr(launch, "EW_MAX_BLOCK_C", 8)
+        monkeypatch.setattr(launch, "EW_TILE", 32)
         shapes[3] = (5, 66)
     for i, shape in enumerate(shapes):
         seed, p = 500 + i, (0.3, 0.5, 0.8)[i % 3]
@@ -396,7 +397,7 @@ def test_gpu_mask_bit_identical_and_fraction():
 def test_gpu_mask_odd_shapes_both_counter_widths(monkeypatch):
     for off64 in (False, True):
         if off64:
-            monkeypatch.setattr(D, "_OFF64_MIN", 0)
+            monkeypatch.setattr(launch, "INT64_MIN_COUNTERS", 0)
         for i, shape in enumerate([(3, 5), (7, 33), (1, 1), (5, 1026), (1025, 4099), (3, 2051)]):
             x = torch.rand(shape, device="cuda") + 0.5
             y = D.dropout_fwd(x, 0.3, S(40 + i, "cuda"))
