@@ -38,8 +38,8 @@ EXPECTED = {
     "bias_activation": (1, 3),
     "linear_bias_activation": (2, 5),
     "activation_dropout": (2, 1),
-    "residual_norm": (1, 2),
-    "layernorm": (1, 3),
+    "residual_norm": (1, 4),
+    "layernorm": (1, 5),
     "swiglu": (1, 1),
     "grouped_mlp": (8, 4),
 }
