@@ -87,3 +87,15 @@ def test_helpers():
             assert len(s) == E and sum(s) == T and min(s) >= 0
         s = routing_splits(E, T, "skewed")
         assert max(s) == min(T, 8 * T // E) and 0 in s
+
+
+def test_host_overhead_case_runs_on_cpu(tmp_path, capsys):
+    """``python -m fusible_ops.bench host_overhead`` on CPU: a table with every workload (no figure
+    is asserted: this is a smoke test of the machinery)."""
+    out = str(tmp_path / "host")
+    assert main(["host_overhead", "--quick", "--device", "cpu", "--out", out]) == 0
+    (path,) = glob.glob(os.path.join(out, "host_overhead_*.md"))
+    table = open(path).read()
+    for name in ("dense3", "swiglu", "residual_rmsnorm", "grouped_mlp_64e"):
+        assert f"| {name} |" in table
+    assert "host_overhead on cpu" in capsys.readouterr().out

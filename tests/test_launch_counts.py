@@ -41,7 +41,7 @@ EXPECTED = {
     "residual_norm": (1, 4),
     "layernorm": (1, 5),
     "swiglu": (1, 1),
-    "grouped_mlp": (8, 4),
+    "grouped_mlp": (4, 4),
 }
 
 

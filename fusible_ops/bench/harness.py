@@ -490,7 +490,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"(run alone: python -m fusible_ops.bench host_overhead)")
         return 0
     if args.cases == ["host_overhead"]:
-        return _host_overhead(args)
+        from .host import main as host_main
+
+        return host_main(args)
     selected: list[tuple[str, Optional[str]]] = []
     for spec in args.cases or list(CASES):
         name, _, config = spec.partition(":")
@@ -580,23 +582,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(table)
     _log(f"wrote {paths['csv']}, {paths['jsonl']}, {paths['md']} (total {time.perf_counter() - t_start:.1f} s)")
     return 1 if n_failed else 0
-
-
-def _host_overhead(args) -> int:
-    from . import host
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    quick = bool(args.quick)
-    rows = host.run(device, warmup=5 if quick else 20, rep=10 if quick else 200)
-    table = host.markdown(rows, device_name(device))
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = os.path.join(args.out, f"host_overhead_{stamp}.md")
-    with open(path, "w") as f:
-        f.write(table + "\n")
-    print(table)
-    _log(f"wrote {path}")
-    return 0
 
 
 def _reset_compile() -> None:

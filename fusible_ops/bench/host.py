@@ -13,6 +13,8 @@ eager vs graphed.
 
 from __future__ import annotations
 
+import datetime
+import os
 import statistics
 import time
 from typing import Callable
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 
 import fusible_ops as fo
 
-from .harness import percentile
+from .harness import _log, device_name, percentile
 
 
 def _sync(device) -> None:
@@ -200,4 +202,20 @@ def markdown(rows: list[dict], device: str) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["host_times_us", "markdown", "run"]
+def main(args) -> int:
+    """``python -m fusible_ops.bench host_overhead [--device D] [--quick] [--out DIR]``."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    quick = bool(args.quick)
+    rows = run(device, warmup=5 if quick else 20, rep=10 if quick else 200)
+    table = markdown(rows, device_name(device))
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = os.path.join(args.out, f"host_overhead_{stamp}.md")
+    with open(path, "w") as f:
+        f.write(table + "\n")
+    print(table)
+    _log(f"wrote {path}")
+    return 0
+
+
+__all__ = ["host_times_us", "main", "markdown", "run"]

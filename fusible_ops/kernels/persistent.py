@@ -152,6 +152,12 @@ if HAS_TRITON:
                 acc = tl.dot(a, b, acc, input_precision=PREC)
         return acc
 
+    @triton.jit
+    def _splits_ok_kernel(split_ptr, G, rows, ok_ptr, G_P2: tl.constexpr):
+        gi = tl.arange(0, G_P2)
+        m = tl.load(split_ptr + gi, mask=gi < G, other=0)
+        tl.store(ok_ptr, (tl.min(m, 0) >= 0) & (tl.sum(m, 0) == rows))
+
     def mn_config(bm, bn, bk, warps, stages, pps=1, flat=False):
         """A config of a tile-space kernel; ``pps`` programs per SM (read by the grid), ``flat``:
         the persistent tile loop flattened with the K loop (only for kernels with FLATTEN)."""
@@ -236,6 +242,15 @@ def check_splits(split_sizes: torch.Tensor, G: int, *tensors: torch.Tensor) -> N
             raise ValueError(f"all tensors must be on {dev}; got one on {t.device}")
 
 
+def splits_ok(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
+    """0-dim bool on the split sizes' (CUDA) device: every size >= 0 and they sum to ``rows``.
+    One launch, no host sync (the torch-op form of this check costs five)."""
+    ok = torch.empty((), dtype=torch.bool, device=split_sizes.device)
+    G = split_sizes.shape[0]
+    _splits_ok_kernel[(1,)](split_sizes, G, rows, ok, G_P2=group_p2(G))
+    return ok
+
+
 def same_dtype(a: torch.Tensor, b: torch.Tensor) -> None:
     """GEMM operands must share a dtype."""
     if a.dtype != b.dtype:
@@ -243,5 +258,5 @@ def same_dtype(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 __all__ = ["INTERP_MN", "INTERP_PROGS", "INTERP_WG", "check_splits", "group_p2", "persistent_grid", "same_dtype",
-           "tma_ok"] + (["group_rows", "group_table", "locate_tile", "mainloop", "mn_config", "operand_descs", "pick", "split_cols",
+           "splits_ok", "tma_ok"] + (["group_rows", "group_table", "locate_tile", "mainloop", "mn_config", "operand_descs", "pick", "split_cols",
                          "tile_coords", "tile_space", "wgrad_config"] if HAS_TRITON else [])

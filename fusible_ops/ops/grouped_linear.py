@@ -8,6 +8,8 @@ from typing import Optional
 import torch
 
 from ..errors import device_check
+from ..kernels import use_triton
+from ..kernels.persistent import splits_ok
 from ..grad import WeightGradMixin, deliver_weight_grad
 from ..op import BasicOperation
 from .validation import check_input
@@ -46,8 +48,13 @@ def check_split_sizes(op, split_sizes, num_groups: int, rows: int, device: torch
         if sum(values) != rows:
             raise ValueError(f"{name}: split sizes sum to {sum(values)} but the input has {rows} rows")
     else:  # CUDA, or traced by torch.compile: checked on the device, no host sync
-        ok = (split_sizes >= 0).all() & (split_sizes.sum() == rows)
+        split_sizes = split_sizes.to(device=device, dtype=torch.int64)
+        if not torch.compiler.is_compiling() and use_triton(split_sizes):
+            ok = splits_ok(split_sizes, rows)  # one launch
+        else:
+            ok = (split_sizes >= 0).all() & (split_sizes.sum() == rows)
         device_check(op, ok, split_sizes, f"split sizes must be non-negative and sum to the input's {rows} rows")
+        return split_sizes
     return split_sizes.to(device=device, dtype=torch.int64)
 
 

@@ -298,3 +298,15 @@ def test_gpu_torch_compile_fullgraph():
     got, want = cf(x, w, b, dy, split), f(x, w, b, dy, split)
     for a, e in zip(got, want):
         assert_close(a.float(), e.float(), torch.float32)
+
+
+@pytest.mark.parametrize("sizes,rows,ok", [([3, 4], 7, True), ([3, -1, 5], 7, False), ([3, 4], 8, False),
+                                           ([0, 0, 0], 0, True), ([5], 5, True), ([2**33, -(2**33) + 4], 4, False)])
+def test_splits_ok_kernel(sizes, rows, ok):
+    """The one-launch device check of split sizes (interpreter on CPU, compiled on GPU)."""
+    from fusible_ops.kernels.persistent import splits_ok
+
+    dev = "cuda" if CUDA else "cpu"
+    with K.use("triton"):
+        got = splits_ok(torch.tensor(sizes, dtype=torch.int64, device=dev), rows)
+    assert got.dtype == torch.bool and got.dim() == 0 and bool(got) is ok
