@@ -172,7 +172,8 @@ def make_graphed_callables(modules: Callables, sample_args, *, num_warmup_iters:
     ``sample_args``: a tuple of CUDA tensors per module (a tuple of such tuples for a tuple of
     modules), with the ``requires_grad`` and shapes of every later call. Returns the module(s)
     with forward replaced by graph replay, like torch's function. Call it before the first
-    optimizer step of the graphed region and after attaching ``main_grad`` buffers.
+    optimizer step of the graphed region and after attaching ``main_grad`` buffers. While it
+    runs it holds one copy of every ``main_grad`` (to undo the warm-up's accumulation).
     """
     single = not isinstance(modules, tuple)
     mods = (modules,) if single else tuple(modules)

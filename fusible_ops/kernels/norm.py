@@ -372,8 +372,15 @@ def _bwd_config(n: int, rows: int) -> tuple[bool, int, int, int]:
     return (False,) + _fused_config(n, rows, fwd=False)
 
 
+_NO_GUARD = contextlib.nullcontext()
+
+
 def _device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """Launch on ``t``'s device: a device switch only when it is not the current one (entering
+    ``torch.cuda.device`` on every call costs host time)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NO_GUARD
 
 
 def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
