@@ -1,19 +1,12 @@
 """Tile sweep of the elementwise activation kernels (fwd and bwd) at [16384, 16384] bf16 on CUDA:
 monkeypatches the tiling and prints device ms (CUDA events). Backs BENCHMARKS.md (issue 9)."""
-import torch, statistics, itertools, triton
-from fusible_ops.kernels import activation as A, dropout as D
-dev, bf = "cuda", torch.bfloat16
-M = N = 16384
-def ms(f, n=15):
-    for _ in range(3): f()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t = []
-    for _ in range(n):
-        s.record(); f(); e.record(); e.synchronize(); t.append(s.elapsed_time(e))
-    return statistics.median(t)
-x = torch.randn(M, N, device=dev, dtype=bf); dy = torch.randn(M, N, device=dev, dtype=bf)
-b = torch.randn(N, device=dev, dtype=bf); seed = torch.tensor([7], device=dev)
-y = torch.empty_like(x)
+import itertools
+import torch, triton
+from _timing import inputs, ms
+from fusible_ops.kernels import activation as A
+dev = "cuda"
+x, dy, b, _, y = inputs()
+seed = torch.tensor([7], device=dev)
 print("copy", ms(lambda: y.copy_(x)))
 orig = A.elementwise_config
 for tile, maxc, warps in itertools.product((4096, 8192, 16384), (512, 1024, 2048, 4096), (4, 8, 16)):

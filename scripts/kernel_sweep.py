@@ -1,19 +1,10 @@
 """Fwd / bwd device time of the elementwise and norm kernels at [16384, 16384] bf16 vs a copy of
 the same bytes (CUDA events, median of 20 after warm-up)."""
-import torch, statistics
+import torch
+from _timing import inputs, ms
 from fusible_ops.kernels import activation as A, norm as N, dropout as D
-dev, bf = "cuda", torch.bfloat16
-M = Nn = 16384
-def ms(f, n=20):
-    for _ in range(3): f()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t = []
-    for _ in range(n):
-        s.record(); f(); e.record(); e.synchronize(); t.append(s.elapsed_time(e))
-    return statistics.median(t)
-x = torch.randn(M, Nn, device=dev, dtype=bf); dy = torch.randn(M, Nn, device=dev, dtype=bf)
-b = torch.randn(Nn, device=dev, dtype=bf); w = torch.rand(Nn, device=dev, dtype=bf) + 0.5
-y = torch.empty_like(x)
+dev = "cuda"
+x, dy, b, w, y = inputs()
 copy = ms(lambda: y.copy_(x))
 gbs = 2 * x.numel() * 2 / copy / 1e6
 print(f"copy {copy:.3f} ms = {gbs:.0f} GB/s")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import fusible_ops as fo
 
-from .harness import _log, device_name, percentile
+from .harness import Timer, _log, device_name, percentile
 
 
 def _sync(device) -> None:
@@ -164,18 +164,9 @@ def _training_step(device, dtype, hidden: int = 1024, blocks: int = 4, tokens: i
             opt.zero_grad(set_to_none=False)
         return call
 
-    def device_ms(call, n=50):
-        for _ in range(10):
-            call()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(n):
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+    def device_ms(call):  # CUDA-event median after warm-up (the harness's timer)
+        return Timer(device, 100.0, 500.0).time(lambda i: call()).median_ms
+
     eager_ms = device_ms(step(model))
     graphed = fo.make_graphed_callables(model, (x,))
     graphed_ms = device_ms(step(graphed))
