@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from fusible_ops.kernels import HAS_TRITON, use_triton
+from fusible_ops.kernels import HAS_TRITON, launch, use_triton
 from fusible_ops.kernels.activation_ref import (  # noqa: F401  (re-exported: one module to import)
     ACTIVATIONS,
     GATED,
@@ -41,7 +41,8 @@ from fusible_ops.kernels.activation_ref import (  # noqa: F401  (re-exported: on
     scaled_swiglu_fwd_ref,
 )
 from fusible_ops.kernels.dropout import keep_scale, seed_tensor
-from fusible_ops.kernels.launch import MIN_BLOCK_C, as_rows, elementwise_config, kernel_op, needs_int64, num_sms
+from fusible_ops.kernels.launch import (MIN_BLOCK_C, as_rows, cdiv, elementwise_config, kernel_op, needs_int64, next_pow2,
+                                        num_sms)
 
 if HAS_TRITON:
     import triton
@@ -208,7 +209,7 @@ def _act_fwd_launch(x, bias, scales, kind, dropout_p, seed):
     x2 = as_rows(x)  # view when possible (column stride must be 1), else a copy
     n_rows = x2.shape[0]
     block_r, block_c, num_warps = elementwise_config(n_rows, n_out)
-    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_out, block_c))
+    grid = (cdiv(n_rows, block_r), cdiv(n_out, block_c))
     bias_c = bias.contiguous() if bias is not None else x2
     scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
     _act_fwd_kernel[grid](
@@ -219,6 +220,30 @@ def _act_fwd_launch(x, bias, scales, kind, dropout_p, seed):
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
     )
     return y
+
+
+_BWD_GEOMETRY: dict = {}  # (n_rows, n_out, device, tiling constants) -> launch geometry
+
+
+def _bwd_geometry(n_rows: int, n_out: int, device) -> tuple:
+    """(BLOCK_R, BLOCK_C, num_warps, column blocks, row programs, rows per program, OFF64) of the
+    backward kernel; computed once per shape (it sits on every backward's host path)."""
+    key = (n_rows, n_out, device, _BWD_MAX_BLOCK_C, _BWD_TILE, _PROGS_PER_SM, launch.INT64_MIN_COUNTERS)
+    geo = _BWD_GEOMETRY.get(key)
+    if geo is None:
+        block_c = max(MIN_BLOCK_C, min(next_pow2(n_out), _BWD_MAX_BLOCK_C))  # >= 4: keep_tile
+        block_r = max(1, min(next_pow2(n_rows), _BWD_TILE // block_c))
+        num_warps = 8 if block_r * block_c >= 2048 else 4
+        n_col_blocks = cdiv(n_out, block_c)
+        # enough programs to fill the GPU, each looping over a contiguous range of rows
+        n_row_progs = max(1, min(cdiv(n_rows, block_r), (_PROGS_PER_SM * num_sms(device)) // n_col_blocks))
+        rows_per_prog = cdiv(cdiv(n_rows, n_row_progs), block_r) * block_r
+        n_row_progs = cdiv(n_rows, rows_per_prog)
+        geo = (block_r, block_c, num_warps, n_col_blocks, n_row_progs, rows_per_prog, needs_int64(n_rows, n_out))
+        if len(_BWD_GEOMETRY) > 4096:  # (bounded under dynamic shapes)
+            _BWD_GEOMETRY.clear()
+        _BWD_GEOMETRY[key] = geo
+    return geo
 
 
 def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout_p, seed):
@@ -235,18 +260,11 @@ def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout
         dscales = torch.zeros(scales.shape, dtype=scales.dtype, device=x.device) if need_dscales else None
         return dx, dbias, dscales
     x2 = as_rows(x)
-    dy2 = as_rows(dy.reshape(*x.shape[:-1], n_out))
-    block_c = max(MIN_BLOCK_C, min(triton.next_power_of_2(n_out), _BWD_MAX_BLOCK_C))  # >= 4: keep_tile
-    block_r = max(1, min(triton.next_power_of_2(n_rows), _BWD_TILE // block_c))
-    num_warps = 8 if block_r * block_c >= 2048 else 4
-    n_col_blocks = triton.cdiv(n_out, block_c)
-    # enough programs to fill the GPU, each looping over a contiguous range of rows
-    n_row_progs = max(1, min(triton.cdiv(n_rows, block_r), (_PROGS_PER_SM * num_sms(x.device)) // n_col_blocks))
-    rows_per_prog = triton.cdiv(triton.cdiv(n_rows, n_row_progs), block_r) * block_r
-    n_row_progs = triton.cdiv(n_rows, rows_per_prog)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    dbp = torch.empty((n_row_progs, n_in), **f32) if need_dbias else x2
-    dsp = torch.empty((n_col_blocks, n_rows), **f32) if need_dscales else x2
+    dy2 = as_rows(dy if dy.shape[-1] == n_out else dy.reshape(*x.shape[:-1], n_out))
+    block_r, block_c, num_warps, n_col_blocks, n_row_progs, rows_per_prog, off64 = _bwd_geometry(
+        n_rows, n_out, x.device)
+    dbp = torch.empty((n_row_progs, n_in), dtype=torch.float32, device=x.device) if need_dbias else x2
+    dsp = torch.empty((n_col_blocks, n_rows), dtype=torch.float32, device=x.device) if need_dscales else x2
     bias_c = bias.contiguous() if bias is not None else x2
     scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
     _act_bwd_kernel[(n_row_progs, n_col_blocks)](
@@ -254,7 +272,7 @@ def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout
         rows_per_prog, float(dropout_p), keep_scale(dropout_p), seed if dropout_p > 0.0 else x2,
         ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None,
         NEED_DBIAS=need_dbias, NEED_DSCALES=need_dscales, DROPOUT=dropout_p > 0.0,
-        OFF64=needs_int64(n_rows, n_out), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
+        OFF64=off64, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
     )
     dbias = dbp.sum(0).to(bias.dtype) if need_dbias else None
     dscales = dsp.sum(0).to(scales.dtype).reshape(scales.shape) if need_dscales else None

@@ -36,7 +36,7 @@ from typing import Optional, Union
 import torch
 
 from fusible_ops.kernels import HAS_TRITON, use_triton
-from fusible_ops.kernels.launch import as_rows, compute_dtype, elementwise_config, kernel_op, needs_int64
+from fusible_ops.kernels.launch import as_rows, cdiv, compute_dtype, elementwise_config, kernel_op, needs_int64
 
 if HAS_TRITON:
     import triton
@@ -150,7 +150,7 @@ def _dropout_launch(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tens
     x2 = as_rows(x)
     n_rows, n_cols = x2.shape
     block_r, block_c, num_warps = elementwise_config(n_rows, n_cols)
-    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
+    grid = (cdiv(n_rows, block_r), cdiv(n_cols, block_c))
     _dropout_kernel[grid](
         x2, y, n_rows, n_cols, x2.stride(0), float(p), keep_scale(p), seed,
         BLOCK_R=block_r, BLOCK_C=block_c, OFF64=needs_int64(n_rows, n_cols), num_warps=num_warps,

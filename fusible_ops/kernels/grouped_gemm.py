@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from . import HAS_TRITON, interpreter_enabled, use_triton
-from .launch import TRITON_DTYPES, TunedKernel, compute_dtype, dot_precision, kernel_op
+from .launch import TRITON_DTYPES, TunedKernel, cdiv, compute_dtype, dot_precision, kernel_op
 from .persistent import (INTERP_MN, INTERP_WG, check_splits, group_p2, persistent_grid, same_dtype,
                          tma_ok)
 
@@ -194,7 +194,7 @@ def _launch_wgrad(dy, x, out, split, accumulate):
     args = (dy, x, out, split, M, N, K, G, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
             out.stride(0), out.stride(1), out.stride(2))
     const = dict(ACCUMULATE=accumulate, USE_TMA=use_tma, PREC=dot_precision(x.dtype), G_P2=group_p2(G))
-    WGRAD_KERNEL.launch(lambda meta: (G * triton.cdiv(N, meta["BN"]) * triton.cdiv(K, meta["BK"]),), args, const,
+    WGRAD_KERNEL.launch(lambda meta: (G * cdiv(N, meta["BN"]) * cdiv(K, meta["BK"]),), args, const,
                         x.dtype, x.device)
     return out
 
@@ -254,7 +254,7 @@ def _grouped_bias_grad_op(dy: torch.Tensor, split_sizes: torch.Tensor) -> torch.
         return db
     BN = 16 if (interpreter_enabled() and not dy.is_cuda) else 64
     BR = 16 if BN == 16 else 32
-    _group_colsum_kernel[(triton.cdiv(N, BN), G)](dy, db, split_sizes, M, N, G, dy.stride(0), dy.stride(1),
+    _group_colsum_kernel[(cdiv(N, BN), G)](dy, db, split_sizes, M, N, G, dy.stride(0), dy.stride(1),
                                                    G_P2=group_p2(G), BR=BR, BN=BN)
     return db
 

@@ -30,7 +30,7 @@ import torch
 from . import HAS_TRITON, interpreter_enabled, use_triton
 from .act_table import ACT_IDS, GLU_BASE, act_and_grad_ref, dact_ref
 from .grouped_gemm import grouped_dgrad_acc_ref, grouped_gemm_fwd_ref
-from .launch import TRITON_DTYPES, TunedKernel, compute_dtype, dot_precision, kernel_op
+from .launch import TRITON_DTYPES, TunedKernel, cdiv, compute_dtype, dot_precision, kernel_op
 from .persistent import INTERP_MN, check_splits, group_p2, persistent_grid, same_dtype, tma_ok
 
 KINDS = ("swiglu", "scaled_swiglu", "geglu", "geglu_tanh")
@@ -263,7 +263,7 @@ def _grouped_dglu_op(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Ten
     y = torch.empty((M, F), dtype=h.dtype, device=h.device)
     need_ds = bool(need_dscales)
     bn_min = INTERP_MN["BN"] // 2 if _interp(dy2) else _BN_MIN  # (2 slots per tile in the interpreter)
-    parts = torch.empty((triton.cdiv(F, bn_min) if need_ds else 0, M), dtype=torch.float32, device=dy2.device)
+    parts = torch.empty((cdiv(F, bn_min) if need_ds else 0, M), dtype=torch.float32, device=dy2.device)
     if M == 0 or F == 0:
         return dh, y, parts.sum(0) if need_ds else parts.new_empty(0)
     use_tma = H > 0 and tma_ok(dy2, w2)

@@ -80,6 +80,18 @@ def kernel_op(name: str, *, mutates_args=()):
     return wrap
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids, in plain Python (``triton.cdiv`` is a constexpr function
+    whose host-side call costs microseconds)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (0 for n == 0, as ``triton.next_power_of_2``), in plain
+    Python."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
 # ----------------------------------------------------------------------------- elementwise tiling
 MIN_BLOCK_C = 4
 """Smallest column tile of elementwise passes (dropout masks draw 4 columns per Philox call)."""
@@ -107,8 +119,8 @@ def needs_int64(n_rows: int, n_cols: int) -> bool:
 def elementwise_config(n_rows: int, n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_C, num_warps) for a memory-bound elementwise pass: ~``EW_TILE``-element
     tiles; BLOCK_C is a power of two >= :data:`MIN_BLOCK_C`."""
-    block_c = max(MIN_BLOCK_C, min(triton.next_power_of_2(max(n_cols, 1)), EW_MAX_BLOCK_C))
-    block_r = max(1, min(triton.next_power_of_2(max(n_rows, 1)), EW_TILE // block_c))
+    block_c = max(MIN_BLOCK_C, min(next_pow2(max(n_cols, 1)), EW_MAX_BLOCK_C))
+    block_r = max(1, min(next_pow2(max(n_rows, 1)), EW_TILE // block_c))
     num_warps = 8 if block_r * block_c >= 4096 else 4
     return block_r, block_c, num_warps
 
@@ -169,5 +181,5 @@ class TunedKernel:
         self.kernel[grid(cfg.kwargs)](*args, **const, **cfg.all_kwargs())
 
 
-__all__ = ["AUTOTUNE", "MIN_BLOCK_C", "TRITON_DTYPES", "TunedKernel", "as_rows", "compute_dtype", "dot_precision",
-           "elementwise_config", "kernel_op", "needs_int64", "num_sms"]
+__all__ = ["AUTOTUNE", "MIN_BLOCK_C", "TRITON_DTYPES", "TunedKernel", "as_rows", "cdiv", "compute_dtype", "dot_precision",
+           "elementwise_config", "kernel_op", "needs_int64", "next_pow2", "num_sms"]

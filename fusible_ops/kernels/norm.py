@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from . import HAS_TRITON, use_triton
-from .launch import TRITON_DTYPES, as_rows, kernel_op, num_sms
+from .launch import TRITON_DTYPES, as_rows, cdiv, kernel_op, next_pow2, num_sms
 from .norm_ref import (  # noqa: F401  (re-exported: one module to import)
     layernorm_bwd_ref,
     layernorm_fwd_ref,
@@ -348,8 +348,8 @@ def _fused_config(n: int, rows: int, fwd: bool) -> tuple[int, int, int]:
     program. Warps by tile size (checked with ptxas for sm_90: <= 128 registers per thread):
     tile <= 1024: 4, 2048: 8, 4096: 16, 8192: 32 fwd / 16 bwd (16 elements per thread, which
     still fits the bwd's dweight/dbias partials), 16384: 32."""
-    block_n = max(16, triton.next_power_of_2(n))
-    block_m = max(1, min(_TILE // block_n, triton.next_power_of_2(rows)))
+    block_n = max(16, next_pow2(n))
+    block_m = max(1, min(_TILE // block_n, next_pow2(rows)))
     tile = block_m * block_n
     warps = min(32, max(4, tile // 256))
     if not fwd and tile == 8192:
@@ -414,7 +414,7 @@ def _norm_fwd_launch(x, weight, bias, eps, residual, is_rms):
     y2 = y.view(rows, n)
     loop, block_m, block_n, warps = _fwd_config(n, rows, residual is not None)
     with _device_guard(x):
-        _norm_fwd_kernel[(triton.cdiv(rows, block_m),)](
+        _norm_fwd_kernel[(cdiv(rows, block_m),)](
             x2, r2, xs2, y2,
             weight if weight is not None else x2, bias if bias is not None else x2,
             mean if not is_rms else rstd, rstd,
@@ -449,13 +449,13 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
     halves = not sliced and n >= _BWD_HALVES_MIN_N and not is_rms
     sms = num_sms(xsum.device)
     if sliced:  # grid (slices, row programs); the slices of one row group run side by side
-        n_slices = triton.cdiv(n, block_n)
+        n_slices = cdiv(n, block_n)
         nprog = min(rows, max(1, 2 * sms // n_slices))
         grid = (n_slices, nprog)
     else:
         if halves:  # one row per program, BLOCK_N is half a row
             block_m, block_n, warps = 1, max(16, block_n // 2), _BWD_HALVES_WARPS
-        nprog = min(triton.cdiv(rows, block_m), sms * (_BWD_PROGS_PER_SM or max(1, 32 // warps)))
+        nprog = min(cdiv(rows, block_m), sms * (_BWD_PROGS_PER_SM or max(1, 32 // warps)))
         grid = (nprog,)
     db_colsum = bool(need_dbias) and not sliced and n >= _BWD_DB_COLSUM_MIN_N
     need_db_kernel = bool(need_dbias) and not db_colsum

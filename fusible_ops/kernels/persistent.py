@@ -23,7 +23,7 @@ import threading
 import torch
 
 from . import interpreter_enabled
-from .launch import num_sms
+from .launch import cdiv, next_pow2, num_sms
 
 try:
     import triton
@@ -173,7 +173,7 @@ if HAS_TRITON:
 
 def group_p2(G: int) -> int:
     """The power of two >= G (>= 2) that sizes the in-kernel group table."""
-    return max(2, triton.next_power_of_2(max(G, 1)))
+    return max(2, next_pow2(max(G, 1)))
 
 
 def persistent_grid(M: int, G: int, n_cols: int, device: torch.device):
@@ -182,7 +182,7 @@ def persistent_grid(M: int, G: int, n_cols: int, device: torch.device):
     progs = num_sms(device, INTERP_PROGS)
 
     def grid(meta):
-        max_tiles = (triton.cdiv(M, meta["BM"]) + G) * triton.cdiv(n_cols, meta["BN"])
+        max_tiles = (cdiv(M, meta["BM"]) + G) * cdiv(n_cols, meta["BN"])
         return (max(1, min(progs * meta.get("PPS", 1), max_tiles)),)
     return grid
 

@@ -310,3 +310,13 @@ def test_splits_ok_kernel(sizes, rows, ok):
     with K.use("triton"):
         got = splits_ok(torch.tensor(sizes, dtype=torch.int64, device=dev), rows)
     assert got.dtype == torch.bool and got.dim() == 0 and bool(got) is ok
+
+
+def test_launch_cdiv_and_next_pow2_match_triton():
+    """The plain-Python grid helpers give what triton.cdiv / next_power_of_2 give."""
+    import triton
+
+    for a in list(range(0, 70)) + [2**31 - 1, 2**31, 2**40 + 3]:
+        assert launch.next_pow2(a) == triton.next_power_of_2(a)
+        for b in (1, 3, 16, 128):
+            assert launch.cdiv(a, b) == triton.cdiv(a, b)
