@@ -2,7 +2,9 @@
 
 * Without CUDA, Triton's interpreter is switched on *before* triton is imported, so
   ``fusible_ops.kernels.use("triton")`` can run every kernel on CPU tensors.
-* Tests marked ``gpu`` are skipped without CUDA.
+* Tests marked ``gpu`` are skipped without CUDA; on a GPU every direct kernel launch is checked
+  against Triton's own specialization (``FUSIBLE_OPS_CHECK_DIRECT``).
+* Launch-geometry caches are emptied around each test (tests change tiling constants).
 * Hypothesis runs a fixed, derandomized profile (``ci``) with bounded examples
   (``HYPOTHESIS_PROFILE=dev`` for more). Users' projects have no such profile: the README recipe
   uses ``fusible_ops.testing.fusion_settings()`` instead (tests/test_testing_helpers.py runs it
@@ -15,6 +17,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# every direct kernel launch is checked against Triton's own specialization (GPU runs)
+os.environ.setdefault("FUSIBLE_OPS_CHECK_DIRECT", "1")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -29,6 +33,16 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launch_geometry():
+    """Tests change tiling constants (monkeypatch): no launch geometry outlives a test."""
+    from fusible_ops.kernels.launch import clear_geometry_caches
+
+    clear_geometry_caches()
+    yield
+    clear_geometry_caches()
 
 
 def pytest_collection_modifyitems(config, items):

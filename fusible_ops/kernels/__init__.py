@@ -26,6 +26,7 @@ import threading
 import torch
 
 _MODES = ("auto", "triton", "reference")
+_CPU = torch.device("cpu")
 _state = threading.local()
 
 try:  # Triton is optional on platforms without it (macOS, Windows).
@@ -84,12 +85,18 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
     All non-None tensors must be on one device (callers check that first). float64 is the
     reference precision: it always runs the ``*_ref`` (the kernels serve fp32/fp16/bf16).
     """
-    mode = current_mode()
+    mode = getattr(_state, "mode", None) or _ENV_MODE
     if mode == "reference":
         return False
-    if any(t is not None and t.dtype == torch.float64 for t in tensors):
-        return False
-    device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+    device = None
+    for t in tensors:  # (a loop, not any(): this runs on every kernel call)
+        if t is not None:
+            if t.dtype == torch.float64:
+                return False
+            if device is None:
+                device = t.device
+    if device is None:
+        device = _CPU
     if mode == "auto":
         return HAS_TRITON and device.type == "cuda"
     # mode == "triton"

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from fusible_ops.kernels import HAS_TRITON, launch, use_triton
+from fusible_ops.kernels import HAS_TRITON, use_triton
 from fusible_ops.kernels.activation_ref import (  # noqa: F401  (re-exported: one module to import)
     ACTIVATIONS,
     GATED,
@@ -40,9 +40,9 @@ from fusible_ops.kernels.activation_ref import (  # noqa: F401  (re-exported: on
     scaled_swiglu_bwd_ref,
     scaled_swiglu_fwd_ref,
 )
-from fusible_ops.kernels.dropout import keep_scale, seed_tensor
-from fusible_ops.kernels.launch import (MIN_BLOCK_C, as_rows, cdiv, elementwise_config, kernel_op, needs_int64, next_pow2,
-                                        num_sms)
+from fusible_ops.kernels.dropout import check_p_seed, keep_scale, seed_tensor
+from fusible_ops.kernels.launch import (MIN_BLOCK_C, DirectKernel, as_rows, cdiv, elementwise_config, geometry_cache,
+                                        kernel_op, needs_int64, next_pow2, num_sms, remember)
 
 if HAS_TRITON:
     import triton
@@ -197,85 +197,126 @@ if HAS_TRITON:
 _BWD_MAX_BLOCK_C = 512
 _BWD_TILE = 2048
 _PROGS_PER_SM = 24
+_ONE_PROG_ROW_TILES = 4  # up to this many row tiles: one row program (host-bound sizes)
+if HAS_TRITON:
+    _FWD = DirectKernel(_act_fwd_kernel)
+    _BWD = DirectKernel(_act_bwd_kernel)
+
+
+_GEOMETRY = geometry_cache()  # launch geometry per (direction, shapes, strides, dtypes, flags, device)
+
+
+def _remember(key, geo):
+    return remember(_GEOMETRY, key, geo)
+
+
+def _rows_of(x: torch.Tensor, asis: bool) -> torch.Tensor:
+    return x if asis else as_rows(x)
+
+
+def _fwd_geometry(key, x, bias, scales, kind, drop):
+    """Checks and launch geometry of the forward, once per key: (y shape, asis, grid, meta)."""
+    check_bias_act(x, bias, kind, 0.0, None)
+    if scales is not None:
+        check_scales(x, scales)
+    act, gated = check_kind(kind)
+    n_out = out_cols(x, gated)
+    out_shape = (*x.shape[:-1], n_out)
+    n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if n_rows * n_out == 0:
+        return _remember(key, (out_shape, True, None, None))
+    block_r, block_c, num_warps = elementwise_config(n_rows, n_out)
+    grid = (cdiv(n_rows, block_r), cdiv(n_out, block_c))
+    meta = dict(ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None, DROPOUT=drop,
+                OFF64=needs_int64(n_rows, n_out), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
+    asis = x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] <= 1)
+    return _remember(key, (out_shape, asis, grid, meta))
 
 
 def _act_fwd_launch(x, bias, scales, kind, dropout_p, seed):
     """seed: [1] int64 tensor on x's device when dropout_p > 0, else None."""
-    act, gated = check_kind(kind)
-    n_out = out_cols(x, gated)
-    y = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
-    if y.numel() == 0:
+    drop = dropout_p > 0.0
+    key = ("fwd", x.shape, x.stride(), x.dtype, x.device, kind, None if bias is None else (bias.shape, bias.dtype),
+           None if scales is None else (scales.shape, scales.dtype), drop)
+    geo = _GEOMETRY.get(key) or _fwd_geometry(key, x, bias, scales, kind, drop)
+    out_shape, asis, grid, meta = geo
+    y = x.new_empty(out_shape)
+    if grid is None:
         return y
-    x2 = as_rows(x)  # view when possible (column stride must be 1), else a copy
-    n_rows = x2.shape[0]
-    block_r, block_c, num_warps = elementwise_config(n_rows, n_out)
-    grid = (cdiv(n_rows, block_r), cdiv(n_out, block_c))
+    x2 = _rows_of(x, asis)  # a view when possible (column stride must be 1), else a copy
     bias_c = bias.contiguous() if bias is not None else x2
     scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
-    _act_fwd_kernel[grid](
-        x2, bias_c, scales_c, y, n_rows, n_out, x2.stride(0),
-        float(dropout_p), keep_scale(dropout_p), seed if dropout_p > 0.0 else x2,
-        ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None,
-        DROPOUT=dropout_p > 0.0, OFF64=needs_int64(n_rows, n_out),
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
-    )
+    _FWD(grid, key, (x2, bias_c, scales_c, y, x2.shape[0], out_shape[-1], x2.stride(0), float(dropout_p),
+                     keep_scale(dropout_p), seed if drop else x2), meta)
     return y
 
 
-_BWD_GEOMETRY: dict = {}  # (n_rows, n_out, device, tiling constants) -> launch geometry
-
-
-def _bwd_geometry(n_rows: int, n_out: int, device) -> tuple:
-    """(BLOCK_R, BLOCK_C, num_warps, column blocks, row programs, rows per program, OFF64) of the
-    backward kernel; computed once per shape (it sits on every backward's host path)."""
-    key = (n_rows, n_out, device, _BWD_MAX_BLOCK_C, _BWD_TILE, _PROGS_PER_SM, launch.INT64_MIN_COUNTERS)
-    geo = _BWD_GEOMETRY.get(key)
-    if geo is None:
-        block_c = max(MIN_BLOCK_C, min(next_pow2(n_out), _BWD_MAX_BLOCK_C))  # >= 4: keep_tile
-        block_r = max(1, min(next_pow2(n_rows), _BWD_TILE // block_c))
-        num_warps = 8 if block_r * block_c >= 2048 else 4
-        n_col_blocks = cdiv(n_out, block_c)
-        # enough programs to fill the GPU, each looping over a contiguous range of rows
-        n_row_progs = max(1, min(cdiv(n_rows, block_r), (_PROGS_PER_SM * num_sms(device)) // n_col_blocks))
-        rows_per_prog = cdiv(cdiv(n_rows, n_row_progs), block_r) * block_r
-        n_row_progs = cdiv(n_rows, rows_per_prog)
-        geo = (block_r, block_c, num_warps, n_col_blocks, n_row_progs, rows_per_prog, needs_int64(n_rows, n_out))
-        if len(_BWD_GEOMETRY) > 4096:  # (bounded under dynamic shapes)
-            _BWD_GEOMETRY.clear()
-        _BWD_GEOMETRY[key] = geo
-    return geo
+def _bwd_geometry(key, dy, x, bias, scales, kind, need_dbias, need_dscales, drop):
+    """Checks and launch geometry of the backward, once per key."""
+    check_bias_act(x, bias, kind, 0.0, None)
+    if scales is not None:
+        check_scales(x, scales)
+    act, gated = check_kind(kind)
+    n_out = out_cols(x, gated)
+    n_in = x.shape[-1]
+    n_rows = x.numel() // n_in if n_in else 0
+    if tuple(dy.shape) != (*x.shape[:-1], n_out) and dy.numel() != n_rows * n_out:
+        raise ValueError(f"bias_act_bwd: dy shape {tuple(dy.shape)} does not match the forward output "
+                         f"{(*x.shape[:-1], n_out)}")
+    if x.numel() == 0:
+        return _remember(key, (None,) * 8 + (n_in,))
+    block_c = max(MIN_BLOCK_C, min(next_pow2(n_out), _BWD_MAX_BLOCK_C))  # >= 4: keep_tile
+    block_r = max(1, min(next_pow2(n_rows), _BWD_TILE // block_c))
+    num_warps = 8 if block_r * block_c >= 2048 else 4
+    n_col_blocks = cdiv(n_out, block_c)
+    # enough programs to fill the GPU, each looping over a contiguous range of rows; a small
+    # problem takes one row program, which writes dbias itself (no partial-sum reduction)
+    n_row_tiles = cdiv(n_rows, block_r)
+    n_row_progs = 1 if n_row_tiles <= _ONE_PROG_ROW_TILES else max(
+        1, min(n_row_tiles, (_PROGS_PER_SM * num_sms(x.device)) // n_col_blocks))
+    rows_per_prog = cdiv(cdiv(n_rows, n_row_progs), block_r) * block_r
+    n_row_progs = cdiv(n_rows, rows_per_prog)
+    meta = dict(ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None,
+                NEED_DBIAS=need_dbias, NEED_DSCALES=need_dscales, DROPOUT=drop, OFF64=needs_int64(n_rows, n_out),
+                BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
+    asis_x = x.dim() == 2 and (x.stride(1) == 1 or n_in <= 1)
+    asis_dy = dy.dim() == 2 and tuple(dy.shape) == (n_rows, n_out) and (dy.stride(1) == 1 or n_out <= 1)
+    return _remember(key, (asis_x, asis_dy, (n_row_progs, n_col_blocks), meta, n_rows, n_out, rows_per_prog,
+                           n_col_blocks, n_in))
 
 
 def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout_p, seed):
     """Returns (dx, dbias or None, dscales or None); dbias/dscales in bias/scales dtype."""
-    act, gated = check_kind(kind)
     need_dbias = need_dbias and bias is not None
     need_dscales = need_dscales and scales is not None
-    n_out = out_cols(x, gated)
-    n_in = x.shape[-1]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    n_rows = x.numel() // n_in if n_in else 0
-    if x.numel() == 0:
+    drop = dropout_p > 0.0
+    key = ("bwd", dy.shape, dy.stride(), x.shape, x.stride(), x.dtype, dy.dtype, x.device, kind,
+           None if bias is None else (bias.shape, bias.dtype), None if scales is None else (scales.shape, scales.dtype),
+           need_dbias, need_dscales, drop)
+    geo = _GEOMETRY.get(key) or _bwd_geometry(key, dy, x, bias, scales, kind, need_dbias, need_dscales, drop)
+    asis_x, asis_dy, grid, meta, n_rows, n_out, rows_per_prog, n_col_blocks, n_in = geo
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if grid is None:  # no elements: the sums over no rows are zeros
         dbias = torch.zeros(n_in, dtype=bias.dtype, device=x.device) if need_dbias else None
         dscales = torch.zeros(scales.shape, dtype=scales.dtype, device=x.device) if need_dscales else None
         return dx, dbias, dscales
-    x2 = as_rows(x)
-    dy2 = as_rows(dy if dy.shape[-1] == n_out else dy.reshape(*x.shape[:-1], n_out))
-    block_r, block_c, num_warps, n_col_blocks, n_row_progs, rows_per_prog, off64 = _bwd_geometry(
-        n_rows, n_out, x.device)
-    dbp = torch.empty((n_row_progs, n_in), dtype=torch.float32, device=x.device) if need_dbias else x2
-    dsp = torch.empty((n_col_blocks, n_rows), dtype=torch.float32, device=x.device) if need_dscales else x2
+    x2 = _rows_of(x, asis_x)
+    dy2 = dy if asis_dy else as_rows(dy.reshape(*x.shape[:-1], n_out))
+    one_prog, one_block = grid[0] == 1, n_col_blocks == 1
+    # one row program (column block) writes the column (row) sums straight in the output dtype
+    dbp = (torch.empty((grid[0], n_in), dtype=bias.dtype if one_prog else torch.float32, device=x.device)
+           if need_dbias else x2)
+    dsp = (torch.empty((n_col_blocks, n_rows), dtype=scales.dtype if one_block else torch.float32, device=x.device)
+           if need_dscales else x2)
     bias_c = bias.contiguous() if bias is not None else x2
     scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
-    _act_bwd_kernel[(n_row_progs, n_col_blocks)](
-        dy2, x2, bias_c, scales_c, dx, dbp, dsp, n_rows, n_out, dy2.stride(0), x2.stride(0),
-        rows_per_prog, float(dropout_p), keep_scale(dropout_p), seed if dropout_p > 0.0 else x2,
-        ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None,
-        NEED_DBIAS=need_dbias, NEED_DSCALES=need_dscales, DROPOUT=dropout_p > 0.0,
-        OFF64=off64, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
-    )
-    dbias = dbp.sum(0).to(bias.dtype) if need_dbias else None
-    dscales = dsp.sum(0).to(scales.dtype).reshape(scales.shape) if need_dscales else None
+    _BWD(grid, key, (dy2, x2, bias_c, scales_c, dx, dbp, dsp, n_rows, n_out, dy2.stride(0), x2.stride(0),
+                     rows_per_prog, float(dropout_p), keep_scale(dropout_p), seed if drop else x2), meta)
+    dbias = dscales = None
+    if need_dbias:
+        dbias = dbp[0] if one_prog else dbp.sum(0).to(bias.dtype)
+    if need_dscales:
+        dscales = (dsp[0] if one_block else dsp.sum(0).to(scales.dtype)).reshape(scales.shape)
     return dx, dbias, dscales
 
 
@@ -292,6 +333,7 @@ def _bias_act_fwd_op(
 
 @_bias_act_fwd_op.register_fake
 def _(x, bias, kind, dropout_p, seed):
+    check_bias_act(x, bias, kind, dropout_p, seed)
     _, gated = check_kind(kind)
     return x.new_empty((*x.shape[:-1], out_cols(x, gated)))
 
@@ -308,6 +350,7 @@ def _bias_act_bwd_op(
 
 @_bias_act_bwd_op.register_fake
 def _(dy, x, bias, kind, need_dbias, dropout_p, seed):
+    check_bias_act(x, bias, kind, dropout_p, seed)
     dbias = bias.new_empty(x.shape[-1]) if need_dbias and bias is not None else _empty(x)
     return x.new_empty(x.shape), dbias
 
@@ -319,6 +362,7 @@ def _scaled_swiglu_fwd_op(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 @_scaled_swiglu_fwd_op.register_fake
 def _(x, scales):
+    check_scales(x, scales)
     return x.new_empty((*x.shape[:-1], out_cols(x, True)))
 
 
@@ -333,6 +377,7 @@ def _scaled_swiglu_bwd_op(
 
 @_scaled_swiglu_bwd_op.register_fake
 def _(dy, x, scales, need_dscales):
+    check_scales(x, scales)
     return x.new_empty(x.shape), (scales.new_empty(scales.shape) if need_dscales else _empty(x))
 
 
@@ -355,7 +400,7 @@ def bias_act_fwd(
     y is multiplied by ``1 / (1 - dropout_p)`` where kept and by 0 where dropped. NaN/Inf in z
     give what torch's activation (and dropout) give, forward and backward.
     """
-    check_bias_act(x, bias, kind, dropout_p, seed)
+    check_p_seed(dropout_p, seed)  # (shapes and kind: checked once per shape by the launcher)
     seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
     if use_triton(x, bias):
         return _bias_act_fwd_op(x, bias, kind, float(dropout_p), seed)
@@ -375,7 +420,7 @@ def bias_act_bwd(
     ``need_dbias`` is False or bias is None. The Triton path computes dz and the bias
     column sums in one pass (deterministic, no atomics).
     """
-    check_bias_act(x, bias, kind, dropout_p, seed)
+    check_p_seed(dropout_p, seed)
     need_dbias = bool(need_dbias) and bias is not None
     seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
     if use_triton(dy, x, bias):
@@ -390,8 +435,7 @@ def scaled_swiglu_fwd(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     x: ``[..., 2H]`` any strides, fp16/bf16/fp32; scales: ``x.shape[:-1]``, any float
     dtype. Returns y ``[..., H]`` contiguous in x's dtype; math in fp32.
     """
-    check_scales(x, scales)
-    if use_triton(x, scales):
+    if use_triton(x, scales):  # (shapes: checked once per shape by the launcher)
         return _scaled_swiglu_fwd_op(x, scales)
     return scaled_swiglu_fwd_ref(x, scales)
 
@@ -405,7 +449,6 @@ def scaled_swiglu_bwd(
     ``dscales[r] = sum_j dy[r, j] * swiglu(x)[r, j]`` accumulated in fp32, in
     scales.dtype with scales' shape, or None when ``need_dscales`` is False.
     """
-    check_scales(x, scales)
     if use_triton(dy, x, scales):
         dx, dscales = _scaled_swiglu_bwd_op(dy, x, scales, bool(need_dscales))
         return dx, (dscales if need_dscales else None)

@@ -36,7 +36,8 @@ from typing import Optional, Union
 import torch
 
 from fusible_ops.kernels import HAS_TRITON, use_triton
-from fusible_ops.kernels.launch import as_rows, cdiv, compute_dtype, elementwise_config, kernel_op, needs_int64
+from fusible_ops.kernels.launch import (DirectKernel, as_rows, cdiv, compute_dtype, elementwise_config, geometry_cache,
+                                        kernel_op, needs_int64, remember)
 
 if HAS_TRITON:
     import triton
@@ -144,18 +145,26 @@ def keep_scale(p: float) -> float:
 def _dropout_launch(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     """Triton dropout of ``x`` (any shape/strides); returns a contiguous tensor of x's shape.
     seed: [1] int64 on x's device (read by the kernel)."""
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    key = (x.shape, x.stride(), x.device)
+    geo = _GEOMETRY.get(key)
+    if geo is None:
+        n_rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else (1 if x.dim() == 0 else 0)
+        n_cols = x.shape[-1] if x.dim() else 1
+        block_r, block_c, num_warps = elementwise_config(n_rows, n_cols)
+        geo = remember(_GEOMETRY, key, ((cdiv(n_rows, block_r), cdiv(n_cols, block_c)), dict(
+            BLOCK_R=block_r, BLOCK_C=block_c, OFF64=needs_int64(n_rows, n_cols), num_warps=num_warps)))
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.numel() == 0:
         return y
+    grid, meta = geo
     x2 = as_rows(x)
-    n_rows, n_cols = x2.shape
-    block_r, block_c, num_warps = elementwise_config(n_rows, n_cols)
-    grid = (cdiv(n_rows, block_r), cdiv(n_cols, block_c))
-    _dropout_kernel[grid](
-        x2, y, n_rows, n_cols, x2.stride(0), float(p), keep_scale(p), seed,
-        BLOCK_R=block_r, BLOCK_C=block_c, OFF64=needs_int64(n_rows, n_cols), num_warps=num_warps,
-    )
+    _DROPOUT(grid, key, (x2, y, x2.shape[0], x2.shape[1], x2.stride(0), float(p), keep_scale(p), seed), meta)
     return y
+
+
+_GEOMETRY = geometry_cache()
+if HAS_TRITON:
+    _DROPOUT = DirectKernel(_dropout_kernel)
 
 
 @kernel_op("fusible_ops::dropout", mutates_args=())

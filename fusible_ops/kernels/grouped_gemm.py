@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from . import HAS_TRITON, interpreter_enabled, use_triton
-from .launch import TRITON_DTYPES, TunedKernel, cdiv, compute_dtype, dot_precision, kernel_op
+from .launch import TRITON_DTYPES, DirectKernel, TunedKernel, arg_classes, cdiv, compute_dtype, dot_precision, kernel_op
 from .persistent import (INTERP_MN, INTERP_WG, check_splits, group_p2, persistent_grid, same_dtype,
                          tma_ok)
 
@@ -162,6 +162,7 @@ if HAS_TRITON:
                    wgrad_config(128, 128, 64, 4, 3), wgrad_config(128, 128, 32, 4, 4),
                    wgrad_config(128, 128, 32, 4, 3), wgrad_config(64, 64, 32, 4, 3)]
     # fixed configs (autotuning off): (16-bit inputs, fp32 inputs)
+    _COLSUM = DirectKernel(_group_colsum_kernel)
     MN_KERNEL = TunedKernel(_ggemm_kernel, _MN_CONFIGS, ["NOUT", "KIN", "USE_TMA", "B_KMAJOR", "HAS_BIAS"],
                             (mn_config(128, 128, 64, 8, 4), _MN_CONFIGS[5]), INTERP_MN)
     WGRAD_KERNEL = TunedKernel(_ggemm_wgrad_kernel, _WG_CONFIGS, ["N", "K", "USE_TMA", "ACCUMULATE"],
@@ -254,8 +255,8 @@ def _grouped_bias_grad_op(dy: torch.Tensor, split_sizes: torch.Tensor) -> torch.
         return db
     BN = 16 if (interpreter_enabled() and not dy.is_cuda) else 64
     BR = 16 if BN == 16 else 32
-    _group_colsum_kernel[(cdiv(N, BN), G)](dy, db, split_sizes, M, N, G, dy.stride(0), dy.stride(1),
-                                                   G_P2=group_p2(G), BR=BR, BN=BN)
+    args = (dy, db, split_sizes, M, N, G, dy.stride(0), dy.stride(1))
+    _COLSUM((cdiv(N, BN), G), arg_classes(args), args, dict(G_P2=group_p2(G), BR=BR, BN=BN))
     return db
 
 

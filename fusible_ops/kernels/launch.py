@@ -8,6 +8,9 @@
   and tiling of memory-bound elementwise passes.
 * :class:`TunedKernel`: one kernel with its autotuned configs, its fixed (untuned) configs and its
   interpreter config; ``launch`` picks one (the fixed-or-tuned config runner).
+* :class:`DirectKernel`: launches a kernel through its compiled binary once Triton has compiled
+  it for a specialization (Triton's per-call Python launch path costs more host time than the
+  launch itself).
 
 Nothing here launches work by itself; nothing here syncs with the host.
 """
@@ -80,6 +83,32 @@ def kernel_op(name: str, *, mutates_args=()):
     return wrap
 
 
+_CACHES: list = []
+
+
+def geometry_cache() -> dict:
+    """A new per-shape launch-geometry cache (a dict bounded by :func:`remember`), registered so
+    that :func:`clear_geometry_caches` empties it."""
+    cache: dict = {}
+    _CACHES.append(cache)
+    return cache
+
+
+def remember(cache: dict, key, value):
+    """``cache[key] = value`` (the cache is emptied first when it holds 4096 entries: bounded under
+    dynamic shapes); returns ``value``."""
+    if len(cache) >= 4096:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+def clear_geometry_caches() -> None:
+    """Forget every cached launch geometry (after changing a tiling constant, e.g. in tests)."""
+    for c in _CACHES:
+        c.clear()
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for launch grids, in plain Python (``triton.cdiv`` is a constexpr function
     whose host-side call costs microseconds)."""
@@ -125,6 +154,95 @@ def elementwise_config(n_rows: int, n_cols: int) -> tuple[int, int, int]:
     return block_r, block_c, num_warps
 
 
+# ----------------------------------------------------------------------------- direct launches
+DIRECT = os.environ.get("FUSIBLE_OPS_DIRECT_LAUNCH", "1") != "0"
+"""Launch compiled kernels directly (see :class:`DirectKernel`). ``FUSIBLE_OPS_DIRECT_LAUNCH=0``
+(or setting this to False) sends every launch through Triton's own launch path, e.g. to let a
+profiler's Triton launch hooks see each launch."""
+
+CHECK_DIRECT = os.environ.get("FUSIBLE_OPS_CHECK_DIRECT", "0") == "1"
+"""Verify every direct launch: Triton's own binder must give the specialization the cached binary
+was compiled for (the GPU tests turn this on)."""
+
+
+class DirectKernel:
+    """A ``@triton.jit`` kernel launched through the compiled binary of its specialization.
+
+    The first call with a given ``key`` (and device, and 16-byte alignment of each tensor
+    argument) goes through Triton (``kernel[grid](...)``: specialization, compilation, launch)
+    and keeps the compiled kernel; later calls pass the arguments straight to its launcher, on
+    the current stream of the tensors' device (the device of the first argument; switched to
+    for the launch when it is not the current one).
+
+    What must hold: ``key`` fixes every specialization Triton makes that the tensors' dtypes and
+    16-byte alignment do not, i.e. the value class of each integer argument (1, a multiple of 16,
+    32 or 64 bit), each ``None`` and every constexpr: callers key on the shapes, strides and flags
+    the integer arguments are computed from, or on :func:`arg_classes`. :data:`CHECK_DIRECT`
+    verifies this against Triton's binder on every launch. The constexprs must be the kernel's
+    trailing parameters (checked when the binary is cached).
+    """
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self._bins: dict = {}
+
+    def __call__(self, grid: tuple, key, args: tuple, meta: dict) -> None:
+        """Launch on ``grid`` (a tuple of 1 to 3 ints) with positional ``args`` (every runtime
+        argument, in order; the first is a CUDA tensor) and ``meta`` (constexprs and launch
+        options such as ``num_warps``)."""
+        dev = args[0].get_device()  # -1 on CPU (Triton's interpreter)
+        if dev >= 0 and dev != torch._C._cuda_getDevice():  # launch on the tensors' device
+            with torch.cuda.device(dev):
+                return self(grid, key, args, meta)
+        full = (key, dev, *[(a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor)])
+        entry = self._bins.get(full) if DIRECT else None
+        if entry is None:
+            ck = self.kernel[grid](*args, **meta)
+            if DIRECT and ck is not None:
+                self._bins[full] = self._entry(ck, args, meta, dev)
+            return
+        run, fn, md, tail, spec = entry
+        if CHECK_DIRECT:
+            self._check(args, meta, dev, spec)
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        run(grid[0], g1, g2, _raw_stream(dev), fn, md, None, None, None, *args, *tail)
+
+    def _entry(self, ck, args, meta, dev) -> tuple:
+        params = self.kernel.params
+        tail = []
+        for p in params[len(args):]:
+            if not p.is_constexpr:
+                raise TypeError(f"{self.kernel.__name__}: DirectKernel needs the constexprs last; "
+                                f"{p.name} is a runtime argument after them")
+            tail.append(meta[p.name] if p.name in meta else p.default)
+        spec = self._spec(args, meta, dev) if CHECK_DIRECT else None
+        return ck.run, ck.function, ck.packed_metadata, tuple(tail), spec
+
+    def _spec(self, args, meta, dev):
+        binder = self.kernel.device_caches[dev][4]
+        return repr(binder(*args, **meta)[1])
+
+    def _check(self, args, meta, dev, spec) -> None:
+        now = self._spec(args, meta, dev)
+        if now != spec:
+            raise AssertionError(f"{self.kernel.__name__}: direct launch with specialization {now}, "
+                                 f"binary compiled for {spec}: its cache key misses an argument")
+
+
+def arg_classes(args: tuple) -> tuple:
+    """What Triton specializes a launch on in the non-tensor arguments ``args``: for an integer,
+    whether it is 1, a multiple of 16, and 32-bit; for anything else, the value (None, bools,
+    floats are few per call site). A :class:`DirectKernel` key for call sites whose integer
+    arguments are not computed from a cached shape."""
+    return tuple([(a == 1, a % 16 == 0, -2**31 <= a < 2**31) if type(a) is int else a
+                  for a in args if not isinstance(a, torch.Tensor)])
+
+
+def _raw_stream(dev: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(dev)
+
+
 # ----------------------------------------------------------------------------- config runner
 AUTOTUNE = os.environ.get("FUSIBLE_OPS_GGEMM_AUTOTUNE", "1") != "0"
 """Autotune GEMM kernels on the GPU (keyed on feature sizes, dtype and flags only).
@@ -150,6 +268,7 @@ class TunedKernel:
         self.kernel = kernel
         self.configs = list(configs)
         self.tuned = triton.autotune(self.configs, key=list(key), restore_value=list(restore_value or ()))(kernel)
+        self.direct = DirectKernel(kernel)
         self.fixed = fixed
         self.interp_meta = dict(interp_meta)
         names = list(kernel.arg_names)
@@ -178,8 +297,10 @@ class TunedKernel:
                 return
         else:
             cfg = self.fixed[1 if dtype == torch.float32 else 0]
-        self.kernel[grid(cfg.kwargs)](*args, **const, **cfg.all_kwargs())
+        self.direct(grid(cfg.kwargs), (id(cfg), tuple(const.values()), arg_classes(args)), args,
+                    {**const, **cfg.all_kwargs()})
 
 
-__all__ = ["AUTOTUNE", "MIN_BLOCK_C", "TRITON_DTYPES", "TunedKernel", "as_rows", "cdiv", "compute_dtype", "dot_precision",
-           "elementwise_config", "kernel_op", "needs_int64", "next_pow2", "num_sms"]
+__all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "TRITON_DTYPES", "DirectKernel", "TunedKernel", "arg_classes", "as_rows",
+           "cdiv", "clear_geometry_caches", "compute_dtype", "dot_precision", "elementwise_config", "geometry_cache",
+           "kernel_op", "needs_int64", "next_pow2", "num_sms", "remember"]

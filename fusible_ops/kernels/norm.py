@@ -29,14 +29,14 @@ fresh and contiguous.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Optional
 
 import torch
 
 from . import HAS_TRITON, use_triton
-from .launch import TRITON_DTYPES, as_rows, cdiv, kernel_op, next_pow2, num_sms
+from .launch import (TRITON_DTYPES, DirectKernel, as_rows, cdiv, geometry_cache, kernel_op, next_pow2, num_sms,
+                     remember)
 from .norm_ref import (  # noqa: F401  (re-exported: one module to import)
     layernorm_bwd_ref,
     layernorm_fwd_ref,
@@ -372,21 +372,6 @@ def _bwd_config(n: int, rows: int) -> tuple[bool, int, int, int]:
     return (False,) + _fused_config(n, rows, fwd=False)
 
 
-_NO_GUARD = contextlib.nullcontext()
-
-
-def _device_guard(t: torch.Tensor):
-    """Launch on ``t``'s device: a device switch only when it is not the current one (entering
-    ``torch.cuda.device`` on every call costs host time)."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return _NO_GUARD
-
-
-def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return t.contiguous() if t is not None else None
-
-
 def _fwd_outputs(x: torch.Tensor, residual: Optional[torch.Tensor], is_rms: bool):
     """Fresh (y, mean, rstd, xsum) of the forward (real or fake tensors): mean and rstd fp32 [rows];
     a [0] placeholder for mean (RMSNorm) and for xsum (no residual)."""
@@ -396,10 +381,23 @@ def _fwd_outputs(x: torch.Tensor, residual: Optional[torch.Tensor], is_rms: bool
     return y, mean, rstd, x.new_empty(x.shape if residual is not None else 0)
 
 
-def _norm_fwd_launch(x, weight, bias, eps, residual, is_rms):
-    """Triton forward. Returns (y, mean, rstd, xsum) with mean/xsum a [0] placeholder when unused."""
+_GEOMETRY = geometry_cache()  # launch geometry per (direction, shapes, strides, dtypes, flags, device)
+
+
+def _fwd_geometry(key, x, weight, bias, residual, is_rms):
     n = x.shape[-1]
     rows = math.prod(x.shape[:-1])
+    loop, block_m, block_n, warps = _fwd_config(n, rows, residual is not None)
+    meta = dict(IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
+                LOOP=loop, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    return remember(_GEOMETRY, key, (rows, n, (cdiv(rows, block_m),), meta))
+
+
+def _norm_fwd_launch(x, weight, bias, eps, residual, is_rms):
+    """Triton forward. Returns (y, mean, rstd, xsum) with mean/xsum a [0] placeholder when unused."""
+    key = ("fwd", x.shape, x.stride(), x.dtype, x.device, _meta_of(weight), _meta_of(bias),
+           None if residual is None else (residual.stride(), residual.dtype), is_rms)
+    rows, n, grid, meta = _GEOMETRY.get(key) or _fwd_geometry(key, x, weight, bias, residual, is_rms)
     y, mean, rstd, xsum = _fwd_outputs(x, residual, is_rms)
     if rows == 0:
         return y, mean, rstd, xsum
@@ -407,44 +405,20 @@ def _norm_fwd_launch(x, weight, bias, eps, residual, is_rms):
         rstd.fill_(float("nan"))
         mean.fill_(float("nan"))
         return y, mean, rstd, xsum
-    weight, bias = _contiguous(weight), _contiguous(bias)
     x2 = as_rows(x)
     r2 = as_rows(residual) if residual is not None else x2
     xs2 = xsum.view(rows, n) if residual is not None else x2
     y2 = y.view(rows, n)
-    loop, block_m, block_n, warps = _fwd_config(n, rows, residual is not None)
-    with _device_guard(x):
-        _norm_fwd_kernel[(cdiv(rows, block_m),)](
-            x2, r2, xs2, y2,
-            weight if weight is not None else x2, bias if bias is not None else x2,
-            mean if not is_rms else rstd, rstd,
-            rows, n, x2.stride(0), r2.stride(0), xs2.stride(0), y2.stride(0), float(eps),
-            IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-            LOOP=loop, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-        )
+    _FWD(grid, key, (x2, r2, xs2, y2, _c(weight, x2), _c(bias, x2), mean if not is_rms else rstd, rstd,
+                     rows, n, x2.stride(0), r2.stride(0), xs2.stride(0), y2.stride(0), float(eps)), meta)
     return y, mean, rstd, xsum
 
 
-def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra, is_rms):
-    """Triton backward. Returns (dx, dweight, dbias) with [0] placeholders for what is not needed."""
+def _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, has_w, has_dxe):
     n = xsum.shape[-1]
     rows = math.prod(xsum.shape[:-1])
-    pdtype = weight.dtype if weight is not None else xsum.dtype
-    need_dweight = bool(need_dweight) and weight is not None
-    dx = torch.empty(xsum.shape, dtype=xsum.dtype, device=xsum.device)
-
-    def empty():  # placeholder for an output not asked for (a fresh one each: returns may not alias)
-        return torch.empty(0, dtype=pdtype, device=xsum.device)
-
     if rows == 0 or n == 0:
-        dw = torch.zeros(n, dtype=pdtype, device=xsum.device) if need_dweight else empty()
-        db = torch.zeros(n, dtype=pdtype, device=xsum.device) if need_dbias else empty()
-        return dx, dw, db  # dx is empty; the sums over no rows are zeros
-    weight = _contiguous(weight)
-    dy2 = as_rows(dy)
-    xs2 = as_rows(xsum)
-    dxe2 = as_rows(dxsum_extra) if dxsum_extra is not None else dy2
-    dx2 = dx.view(rows, n)
+        return remember(_GEOMETRY, key, (rows, n, None, None, 0, False, False))
     sliced, block_m, block_n, warps = _bwd_config(n, rows)
     halves = not sliced and n >= _BWD_HALVES_MIN_N and not is_rms
     sms = num_sms(xsum.device)
@@ -457,30 +431,62 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
             block_m, block_n, warps = 1, max(16, block_n // 2), _BWD_HALVES_WARPS
         nprog = min(cdiv(rows, block_m), sms * (_BWD_PROGS_PER_SM or max(1, 32 // warps)))
         grid = (nprog,)
-    db_colsum = bool(need_dbias) and not sliced and n >= _BWD_DB_COLSUM_MIN_N
-    need_db_kernel = bool(need_dbias) and not db_colsum
+    db_colsum = need_dbias and not sliced and n >= _BWD_DB_COLSUM_MIN_N
+    meta = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DXE=has_dxe, NEED_DW=need_dweight, NEED_DB=need_dbias and not db_colsum,
+                VARIANT="sliced" if sliced else "halves" if halves else "fused",
+                BLOCK_M=block_m, BLOCK_N=block_n, RELOAD=n >= _BWD_RELOAD_MIN_N, num_warps=warps)
+    return remember(_GEOMETRY, key, (rows, n, grid, meta, nprog, db_colsum, meta["NEED_DB"]))
 
-    def partials(need):  # [nprog, N] fp32, or a placeholder pointer
-        return torch.empty((nprog, n), dtype=torch.float32, device=xsum.device) if need else dx2
 
-    dw_part, db_part = partials(need_dweight), partials(need_db_kernel)
+def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra, is_rms):
+    """Triton backward. Returns (dx, dweight, dbias) with [0] placeholders for what is not needed."""
+    pdtype = weight.dtype if weight is not None else xsum.dtype
+    need_dweight = bool(need_dweight) and weight is not None
+    need_dbias = bool(need_dbias)
+    key = ("bwd", dy.stride(), xsum.shape, xsum.stride(), xsum.dtype, dy.dtype, xsum.device, _meta_of(weight),
+           None if dxsum_extra is None else (dxsum_extra.stride(), dxsum_extra.dtype), is_rms, need_dweight, need_dbias)
+    geo = _GEOMETRY.get(key) or _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, weight is not None,
+                                              dxsum_extra is not None)
+    rows, n, grid, meta, nprog, db_colsum, need_db_kernel = geo
+    dx = torch.empty_like(xsum, memory_format=torch.contiguous_format)
+
+    def empty():  # placeholder for an output not asked for (a fresh one each: returns may not alias)
+        return xsum.new_empty(0, dtype=pdtype)
+
+    if grid is None:
+        dw = xsum.new_zeros(n, dtype=pdtype) if need_dweight else empty()
+        db = xsum.new_zeros(n, dtype=pdtype) if need_dbias else empty()
+        return dx, dw, db  # dx is empty; the sums over no rows are zeros
+    dy2 = as_rows(dy)
+    xs2 = as_rows(xsum)
+    dxe2 = as_rows(dxsum_extra) if dxsum_extra is not None else dy2
+    dx2 = dx.view(rows, n)
+    dw_part = xsum.new_empty((nprog, n), dtype=torch.float32) if need_dweight else dx2
+    db_part = xsum.new_empty((nprog, n), dtype=torch.float32) if need_db_kernel else dx2
     rstd = rstd.contiguous()
     mean = rstd if is_rms else mean.contiguous()
-    with _device_guard(xsum):
-        _norm_bwd_kernel[grid](
-            dy2, xs2, weight if weight is not None else xs2, mean, rstd, dxe2, dx2, dw_part, db_part,
-            rows, n, dy2.stride(0), xs2.stride(0), dxe2.stride(0), dx2.stride(0),
-            IS_RMS=is_rms, HAS_W=weight is not None, HAS_DXE=dxsum_extra is not None,
-            NEED_DW=need_dweight, NEED_DB=need_db_kernel,
-            VARIANT="sliced" if sliced else "halves" if halves else "fused",
-            BLOCK_M=block_m, BLOCK_N=block_n, RELOAD=n >= _BWD_RELOAD_MIN_N, num_warps=warps,
-        )
+    _BWD(grid, key, (dy2, xs2, _c(weight, xs2), mean, rstd, dxe2, dx2, dw_part, db_part, rows, n,
+                     dy2.stride(0), xs2.stride(0), dxe2.stride(0), dx2.stride(0)), meta)
     dw = dw_part.sum(0).to(pdtype) if need_dweight else empty()
     if db_colsum:  # fp32 accumulation, deterministic (torch reductions use no atomics)
         db = dy2.sum(0, dtype=torch.float32).to(pdtype)
     else:
         db = db_part.sum(0).to(pdtype) if need_dbias else empty()
     return dx, dw, db
+
+
+def _meta_of(t: Optional[torch.Tensor]):
+    return None if t is None else (t.shape, t.dtype, t.is_contiguous())
+
+
+def _c(t: Optional[torch.Tensor], dummy: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous, or the dummy pointer for an absent tensor."""
+    return t.contiguous() if t is not None else dummy
+
+
+if HAS_TRITON:
+    _FWD = DirectKernel(_norm_fwd_kernel)
+    _BWD = DirectKernel(_norm_bwd_kernel)
 
 
 if HAS_TRITON:

@@ -23,7 +23,7 @@ import threading
 import torch
 
 from . import interpreter_enabled
-from .launch import cdiv, next_pow2, num_sms
+from .launch import DirectKernel, arg_classes, cdiv, next_pow2, num_sms
 
 try:
     import triton
@@ -242,12 +242,15 @@ def check_splits(split_sizes: torch.Tensor, G: int, *tensors: torch.Tensor) -> N
             raise ValueError(f"all tensors must be on {dev}; got one on {t.device}")
 
 
+_SPLITS_OK = DirectKernel(_splits_ok_kernel) if HAS_TRITON else None
+
+
 def splits_ok(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
     """0-dim bool on the split sizes' (CUDA) device: every size >= 0 and they sum to ``rows``.
     One launch, no host sync (the torch-op form of this check costs five)."""
     ok = torch.empty((), dtype=torch.bool, device=split_sizes.device)
     G = split_sizes.shape[0]
-    _splits_ok_kernel[(1,)](split_sizes, G, rows, ok, G_P2=group_p2(G))
+    _SPLITS_OK((1,), (G, arg_classes((rows,))), (split_sizes, G, rows, ok), dict(G_P2=group_p2(G)))
     return ok
 
 
