@@ -251,32 +251,27 @@ class OperationFuser:
         if self._wgrad_flagged and plan.requires_grad:
             check_flagged_ops(self.ops, params, plan.param_counts)
         args = [*extra_inputs, *params]
+        seen = {id(x)}
         for i, t in enumerate(args):  # the same tensor twice (x as residual, tied weights):
-            if isinstance(t, torch.Tensor) and (t is x or any(t is a for a in args[:i])):
-                args[i] = t.view_as(t)  # give autograd.Function distinct inputs (an alias)
+            if isinstance(t, torch.Tensor):
+                if id(t) in seen:
+                    args[i] = t.view_as(t)  # give autograd.Function distinct inputs (an alias)
+                else:
+                    seen.add(id(t))
         outs = _FuserFunction.apply(x, self, plan, len(extra_inputs), *args)
         if self.num_extra_outputs == 0:
             return outs[0]
         return tuple(outs)
 
 
-class _BackwardContext:
-    """An :class:`OperationContext` as backward sees it: the forward ctx's attributes, with the
-    saved tensors handed back by autograd. Attributes set in backward stay on this view."""
+class _BackwardContext(OperationContext):
+    """An :class:`OperationContext` as backward sees it: a copy of the forward ctx's attributes,
+    with the saved tensors handed back by autograd. Attributes set in backward stay on this copy
+    (nothing created in forward is mutated, so torch.compile can trace the backward too)."""
 
-    def __init__(self, base: OperationContext, saved: tuple) -> None:
-        self._base = base
+    def __init__(self, base: OperationContext, saved: tuple) -> None:  # (no super().__init__: copied)
+        self.__dict__.update(base.__dict__)
         self._saved = saved
-
-    @property
-    def saved_tensors(self) -> tuple:
-        return self._saved
-
-    def release(self) -> None:
-        self._saved = ()
-
-    def __getattr__(self, name: str):
-        return getattr(self._base, name)
 
 
 class _FuserFunction(torch.autograd.Function):

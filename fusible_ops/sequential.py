@@ -167,13 +167,17 @@ class Sequential(torch.nn.Module):
                     run_idx.append(i)
             close_run()
             self._stages, self._hook_sig = stages, sig
+            self._needed = sum(s.num_extra_inputs for s, _ in stages if isinstance(s, (OperationFuser, _Alone)))
+            # one fuser and nothing else: calls go straight to it (the common case, host time)
+            self._only = stages[0][0] if len(stages) == 1 and isinstance(stages[0][0], OperationFuser) else None
         return self._stages
 
     def forward(self, x: torch.Tensor, *extra_inputs):
         stages = self._get_stages()
-        needed = sum(s.num_extra_inputs for s, _ in stages if isinstance(s, (OperationFuser, _Alone)))
-        if len(extra_inputs) != needed:
-            raise TypeError(f"Sequential expected {needed} extra input(s) after x, got {len(extra_inputs)}")
+        if len(extra_inputs) != self._needed:
+            raise TypeError(f"Sequential expected {self._needed} extra input(s) after x, got {len(extra_inputs)}")
+        if self._only is not None:
+            return self._only(x, *extra_inputs)
         extra_outputs, k = [], 0
         for stage, _ in stages:
             if isinstance(stage, (OperationFuser, _Alone)):

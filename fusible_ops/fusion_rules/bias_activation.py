@@ -1,9 +1,11 @@
 """Linear + bias + activation (+ dropout) forward, and activation + bias (+ dropout) backward.
 
 Forward (``ForwardLinearBiasActivation``): the GEMM runs through torch (cuBLAS on CUDA); bias,
-activation and dropout run in ONE Triton pass over its output (reference math on CPU). The
-pre-bias GEMM output is what the activation's ctx keeps (with ``act_bias``), so the biased
-pre-activation is never written.
+activation and dropout run in ONE Triton pass over its output. The pre-bias GEMM output is what
+the activation's ctx keeps (with ``act_bias``), so the biased pre-activation is never written.
+On the reference path (CPU) the bias goes into the GEMM (``addmm``, as ``torch.nn.Linear``) and
+the activation's ctx keeps the biased output (``act_bias`` None); backward then sums dbias from
+the activation gradient.
 
 Backward (``BackwardBiasActivation``): the activation gradient (after regenerating the dropout
 mask) and the bias gradient (a column reduction) in ONE Triton pass.
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import activation as _K
+from ..kernels import use_triton
 from ..kernels.gemm import linear_fprop
 from ..op import FusedOperation
 from ..ops.activation import ACTIVATION_CLASSES, Activation
@@ -25,24 +29,18 @@ from ..ops.misc import Dropout
 from ..rules import match, rule
 
 
-def _kernels():
-    from ..kernels import activation
 
-    return activation
+_ROLES = (("linear", BasicLinear), ("bias", Bias), ("act", Activation), ("dropout", Dropout))
 
 
 def _split(ops):
-    """Name the roles of the matched ops: (linear, bias, act, dropout), each possibly None."""
-    roles = {"linear": None, "bias": None, "act": None, "dropout": None}
-    for op in ops:
-        if isinstance(op, BasicLinear):
-            roles["linear"] = op
-        elif isinstance(op, Bias):
-            roles["bias"] = op
-        elif isinstance(op, Activation):
-            roles["act"] = op
-        elif isinstance(op, Dropout):
-            roles["dropout"] = op
+    """Name the roles of the matched ops: {role: (op, index in ops)} for (linear, bias, act,
+    dropout), each possibly (None, None)."""
+    roles = {name: (None, None) for name, _ in _ROLES}
+    for i, op in enumerate(ops):
+        for name, cls in _ROLES:
+            if isinstance(op, cls):
+                roles[name] = (op, i)
     return roles
 
 
@@ -53,36 +51,39 @@ class ForwardLinearBiasActivation(FusedOperation):
     def __init__(self, ops) -> None:
         super().__init__(ops)
         self.roles = _split(ops)
+        self._no_extras = [()] * len(ops)
 
     def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
         r = self.roles
-        ctx_of = {id(op): ctx for op, ctx in zip(self.basic_ops, ctxs)}
-        lin, bias, act, drop = r["linear"], r["bias"], r["act"], r["dropout"]
+        (lin, li), (bias, bi), (act, ai), (drop, di) = r["linear"], r["bias"], r["act"], r["dropout"]
         if lin is not None:
             lin.check_input(x)
-            if act is None:  # linear + bias only: one GEMM with the bias in its epilogue
+            if act is None or not use_triton(x):  # the bias in the GEMM's epilogue (addmm)
                 bias.check_input(x, shape=(*x.shape[:-1], lin.out_features))
-                y = linear_fprop(x, lin.weight, bias.bias)
-                bias.save_ctx(ctx_of[id(bias)])
-                if ctx_of[id(lin)].requires_grad:
-                    lin.save_ctx(ctx_of[id(lin)], x)
-                return y, [() for _ in ctxs]
-            z = linear_fprop(x, lin.weight)
-            if ctx_of[id(lin)].requires_grad:
-                lin.save_ctx(ctx_of[id(lin)], x)
+                bias.save_ctx(ctxs[bi])
+                z = linear_fprop(x, lin.weight, bias.bias)
+                if ctxs[li].requires_grad:
+                    lin.save_ctx(ctxs[li], x)
+                if act is None:  # linear + bias only
+                    return z, self._no_extras
+                bias = None  # reference math (CPU): the activation's ctx keeps the biased z, act_bias None
+            else:
+                z = linear_fprop(x, lin.weight)
+                if ctxs[li].requires_grad:
+                    lin.save_ctx(ctxs[li], x)
         else:
             z = x
         b = None
         if bias is not None:
             bias.check_input(z)
-            bias.save_ctx(ctx_of[id(bias)])
+            bias.save_ctx(ctxs[bi])
             b = bias.bias
         act.check_input(z)
-        seed = drop.start(ctx_of[id(drop)], z) if drop is not None else None  # the Dropout seed protocol
+        seed = drop.start(ctxs[di], z) if drop is not None else None  # the Dropout seed protocol
         p = drop.p if seed is not None else 0.0
-        y = _kernels().bias_act_fwd(z, b, act.kind, dropout_p=p, seed=seed)
-        act.save_ctx(ctx_of[id(act)], z, bias=b)
-        return y, [() for _ in ctxs]
+        y = _K.bias_act_fwd(z, b, act.kind, dropout_p=p, seed=seed)
+        act.save_ctx(ctxs[ai], z, bias=b)
+        return y, self._no_extras
 
 
 class BackwardBiasActivation(FusedOperation):
@@ -92,31 +93,32 @@ class BackwardBiasActivation(FusedOperation):
     def __init__(self, ops) -> None:
         super().__init__(ops)
         self.roles = _split(ops)
+        self._no_extras = [()] * len(ops)
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
-        ctx_of = {id(op): ctx for op, ctx in zip(self.basic_ops, ctxs)}
-        bias, act, drop = self.roles["bias"], self.roles["act"], self.roles["dropout"]
-        actx = ctx_of[id(act)]
-        seed = drop.seed_of(ctx_of[id(drop)]) if drop is not None else None
+        (bias, bi), (act, ai), (drop, di) = self.roles["bias"], self.roles["act"], self.roles["dropout"]
+        actx = ctxs[ai]
+        seed = drop.seed_of(ctxs[di]) if drop is not None else None
         p = drop.p if seed is not None else 0.0
-        need_dbias = bias is not None and ctx_of[id(bias)].bias_grad
-        grads = []
+        need_dbias = bias is not None and ctxs[bi].bias_grad
         if not actx.saved_tensors:  # nothing before needs a gradient
             dz, db = None, None
         else:
             (x,) = actx.saved_tensors
-            dz, db = _kernels().bias_act_bwd(dy, x, actx.act_bias, act.kind, need_dbias, dropout_p=p, seed=seed)
+            dz, db = _K.bias_act_bwd(dy, x, actx.act_bias, act.kind, need_dbias, dropout_p=p, seed=seed)
+            if need_dbias and db is None:  # the bias was added in the GEMM (act_bias None)
+                db = dz.sum(0) if dz.dim() == 2 else dz.flatten(0, -2).sum(0)
             if db is not None and db.dtype != bias.bias.dtype:
                 db = db.to(bias.bias.dtype)
-        for op in self.basic_ops:
-            grads.append((db,) if op is bias else ())
+        grads = [()] * len(ctxs)
+        if bias is not None:
+            grads[bi] = (db,)
         dx = dz if ctxs[0].input_requires_grad else None
-        return dx, grads, [() for _ in ctxs]
+        return dx, grads, self._no_extras
 
 
 def _check_forward(ops, ctx):
-    roles = _split(ops)
-    drop = roles["dropout"]
+    drop = _split(ops)["dropout"][0]
     if drop is not None and not drop.active:
         return "dropout is inactive (eval mode or p=0): nothing to fuse into"
     if ctx.device is not None and ctx.device.type == "cuda" and ctx.dtype == torch.float64:

@@ -34,8 +34,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
-from fusible_ops.kernels.act_table import ACT_IDS, GLU_BASE, act_and_grad_ref, dact_ref
+from fusible_ops.kernels.act_table import ACT_IDS, GLU_BASE, act_and_grad_ref
 from fusible_ops.kernels.dropout import check_p_seed, dropout_keep_mask, keep_scale
 from fusible_ops.kernels.launch import compute_dtype
 
@@ -81,14 +82,48 @@ def check_scales(x, scales) -> None:
         raise ValueError(f"scaled_swiglu: scales shape {tuple(scales.shape)} != {tuple(x.shape[:-1])}")
 
 
+
+def act_ref(z: torch.Tensor, name: str) -> torch.Tensor:
+    """act(z) with torch's own kernels (one op each on the host path; the kernels' formulas are
+    :func:`~fusible_ops.kernels.act_table.act_and_grad_ref`). Exact GELU of +Inf is +Inf (torch's
+    vectorized float32 CPU kernel gives NaN there)."""
+    if name == "gelu":
+        y = F.gelu(z)
+        return torch.where(torch.isposinf(z), z, y) if z.dtype == torch.float32 and not z.is_cuda else y
+    if name == "silu":
+        return F.silu(z)
+    if name == "gelu_tanh":
+        return F.gelu(z, approximate="tanh")
+    if name == "relu":
+        return torch.relu(z)
+    raise ValueError(f"unknown activation {name!r}; expected one of {sorted(ACT_IDS)}")
+
+
+def act_backward_ref(up: torch.Tensor, z: torch.Tensor, name: str) -> torch.Tensor:
+    """The gradient ``up`` taken through act at z, with torch's own backward kernels (relu:
+    ``threshold_backward``, 0 where z <= 0; the others multiply by act'(z))."""
+    if name == "gelu":
+        return torch.ops.aten.gelu_backward(up, z)
+    if name == "silu":
+        return torch.ops.aten.silu_backward(up, z)
+    if name == "gelu_tanh":
+        return torch.ops.aten.gelu_backward(up, z, approximate="tanh")
+    if name == "relu":
+        return torch.ops.aten.threshold_backward(up, z, 0)
+    raise ValueError(f"unknown activation {name!r}; expected one of {sorted(ACT_IDS)}")
+
+
 def _halves(z):
-    h = z.shape[-1] // 2
-    return z[..., :h], z[..., h:]
+    return z.chunk(2, -1)  # (even last dim: checked)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)  # (.to costs host time even when it is a no-op)
 
 
 def _z_ref(x, bias, cd):
-    z = x.to(cd)
-    return z + bias.to(cd) if bias is not None else z
+    z = _cast(x, cd)
+    return z + _cast(bias, cd) if bias is not None else z
 
 
 def _drop_factor_ref(shape, dropout_p, seed, device, cd) -> Optional[torch.Tensor]:
@@ -112,13 +147,13 @@ def bias_act_fwd_ref(
     z = _z_ref(x, bias, cd)
     if gated:
         a, b = _halves(z)
-        y = act_and_grad_ref(a, base, False)[0] * b
+        y = act_ref(a, base) * b
     else:
-        y = act_and_grad_ref(z, base, False)[0]
+        y = act_ref(z, base)
     m = _drop_factor_ref(y.shape, dropout_p, seed, x.device, cd)
     if m is not None:
         y = y * m
-    return y.to(x.dtype)
+    return _cast(y, x.dtype)
 
 
 def bias_act_bwd_ref(
@@ -131,20 +166,20 @@ def bias_act_bwd_ref(
     base, gated = _base(kind), kind in GATED
     cd = compute_dtype(x.dtype)
     z = _z_ref(x, bias, cd)
-    g = dy.to(cd)
+    g = _cast(dy, cd)
     m = _drop_factor_ref(g.shape, dropout_p, seed, x.device, cd)
     if m is not None:
         g = g * m
     if gated:
         a, b = _halves(z)
-        act_a, dact_a = act_and_grad_ref(a, base, True)
-        dz = torch.cat([dact_ref(g * b, a, dact_a, base), g * act_a], dim=-1)
+        dz = torch.cat([act_backward_ref(g * b, a, base), g * act_ref(a, base)], dim=-1)
     else:
-        dz = dact_ref(g, z, act_and_grad_ref(z, base, True)[1], base)
+        dz = act_backward_ref(g, z, base)
     dbias = None
     if need_dbias and bias is not None:
-        dbias = (dz.reshape(-1, dz.shape[-1]).sum(0) if dz.shape[-1] else dz.new_zeros(0)).to(bias.dtype)
-    return dz.to(x.dtype), dbias
+        lead = dz.dim() - 1
+        dbias = _cast(dz.clone() if lead == 0 else dz.sum(0) if lead == 1 else dz.flatten(0, -2).sum(0), bias.dtype)
+    return _cast(dz, x.dtype), dbias
 
 
 def scaled_swiglu_fwd_ref(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

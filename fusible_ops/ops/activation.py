@@ -16,14 +16,10 @@ import math
 
 import torch
 
+from ..kernels import activation as _K
 from ..op import BasicOperation
 from .validation import check_input
 
-
-def _kernels():
-    from ..kernels import activation
-
-    return activation
 
 
 class Activation(BasicOperation):
@@ -53,7 +49,7 @@ class Activation(BasicOperation):
 
     def op_forward(self, ctx, x, **kwargs):
         self.check_input(x)
-        y = _kernels().bias_act_fwd(x, None, self.kind)
+        y = _K.bias_act_fwd(x, None, self.kind)
         self.save_ctx(ctx, x)
         return y
 
@@ -61,7 +57,7 @@ class Activation(BasicOperation):
         if not ctx.input_requires_grad:
             return None, ()
         (x,) = ctx.saved_tensors
-        dx, _ = _kernels().bias_act_bwd(dy, x, ctx.act_bias, self.kind, False)
+        dx, _ = _K.bias_act_bwd(dy, x, ctx.act_bias, self.kind, False)
         return dx, ()
 
 
@@ -194,7 +190,7 @@ class ScaledSwiGLU(BasicOperation):
         ctx = ctxs[0]
         given = extra_inputs[0][0]
         scales = self.check_scales(x, given)
-        y = _kernels().scaled_swiglu_fwd(x, scales)
+        y = _K.scaled_swiglu_fwd(x, scales)
         ctx.scales_shape = given.shape
         ctx.scales_grad = ctx.requires_grad and scales.requires_grad
         if ctx.input_requires_grad or ctx.scales_grad:
@@ -206,7 +202,7 @@ class ScaledSwiGLU(BasicOperation):
         if not (ctx.input_requires_grad or ctx.scales_grad):
             return None, [()], [(None,)]
         x, scales = ctx.saved_tensors
-        dx, dscales = _kernels().scaled_swiglu_bwd(dy, x, scales, ctx.scales_grad)
+        dx, dscales = _K.scaled_swiglu_bwd(dy, x, scales, ctx.scales_grad)
         if dscales is not None:
             dscales = dscales.reshape(ctx.scales_shape)
         return (dx if ctx.input_requires_grad else None), [()], [(dscales,)]

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import norm as _K
 from ..op import BasicOperation
 from .validation import check_input
 
-
-def _kernels():
-    from ..kernels import norm
-
-    return norm
 
 
 class _Norm(BasicOperation):
@@ -67,7 +63,7 @@ class LayerNorm(_Norm):
         super().__init__(size, eps, device=device, dtype=dtype, bias=True)
 
     def norm_forward(self, ctx, x, residual=None):
-        y, mean, rstd, xsum = _kernels().layernorm_fwd(x, self.weight, self.bias, self.eps, residual)
+        y, mean, rstd, xsum = _K.layernorm_fwd(x, self.weight, self.bias, self.eps, residual)
         if ctx.requires_grad:
             ctx.save_for_backward(xsum, self.weight, mean, rstd)
             ctx.weight_grad = self.weight.requires_grad
@@ -76,7 +72,7 @@ class LayerNorm(_Norm):
 
     def norm_backward(self, ctx, dy, dxsum_extra=None):
         xsum, w, mean, rstd = ctx.saved_tensors
-        dx, dw, db = _kernels().layernorm_bwd(dy, xsum, w, mean, rstd, ctx.weight_grad, ctx.bias_grad, dxsum_extra)
+        dx, dw, db = _K.layernorm_bwd(dy, xsum, w, mean, rstd, ctx.weight_grad, ctx.bias_grad, dxsum_extra)
         return dx, (dw, db)
 
     def reference_forward(self, x):
@@ -92,7 +88,7 @@ class RMSNorm(_Norm):
         super().__init__(size, eps, device=device, dtype=dtype, bias=False)
 
     def norm_forward(self, ctx, x, residual=None):
-        y, rstd, xsum = _kernels().rmsnorm_fwd(x, self.weight, self.eps, residual)
+        y, rstd, xsum = _K.rmsnorm_fwd(x, self.weight, self.eps, residual)
         if ctx.requires_grad:
             ctx.save_for_backward(xsum, self.weight, None, rstd)
             ctx.weight_grad = self.weight.requires_grad
@@ -100,7 +96,7 @@ class RMSNorm(_Norm):
 
     def norm_backward(self, ctx, dy, dxsum_extra=None):
         xsum, w, _, rstd = ctx.saved_tensors
-        dx, dw = _kernels().rmsnorm_bwd(dy, xsum, w, rstd, ctx.weight_grad, dxsum_extra)
+        dx, dw = _K.rmsnorm_bwd(dy, xsum, w, rstd, ctx.weight_grad, dxsum_extra)
         return dx, (dw,)
 
     def reference_forward(self, x):
