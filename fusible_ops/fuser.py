@@ -264,14 +264,23 @@ class OperationFuser:
         return tuple(outs)
 
 
-class _BackwardContext(OperationContext):
-    """An :class:`OperationContext` as backward sees it: a copy of the forward ctx's attributes,
-    with the saved tensors handed back by autograd. Attributes set in backward stay on this copy
-    (nothing created in forward is mutated, so torch.compile can trace the backward too)."""
+class _BackwardContext:
+    """An :class:`OperationContext` as backward sees it: the forward ctx's attributes, with the
+    saved tensors handed back by autograd. Attributes set in backward stay on this view."""
 
-    def __init__(self, base: OperationContext, saved: tuple) -> None:  # (no super().__init__: copied)
-        self.__dict__.update(base.__dict__)
+    def __init__(self, base: OperationContext, saved: tuple) -> None:
+        self._base = base
         self._saved = saved
+
+    @property
+    def saved_tensors(self) -> tuple:
+        return self._saved
+
+    def release(self) -> None:
+        self._saved = ()
+
+    def __getattr__(self, name: str):
+        return getattr(self._base, name)
 
 
 class _FuserFunction(torch.autograd.Function):

@@ -175,9 +175,10 @@ class DirectKernel:
     for the launch when it is not the current one).
 
     What must hold: ``key`` fixes every specialization Triton makes that the tensors' dtypes and
-    16-byte alignment do not, i.e. the value class of each integer argument (1, a multiple of 16,
-    32 or 64 bit), each ``None`` and every constexpr: callers key on the shapes, strides and flags
-    the integer arguments are computed from, or on :func:`arg_classes`. :data:`CHECK_DIRECT`
+    16-byte alignment and the ``meta`` values (both part of the cache key) do not, i.e. the value
+    class of each integer argument (1, a multiple of 16, 32 or 64 bit) and each ``None``:
+    callers key on the shapes and strides the integer arguments are computed from, or on
+    :func:`arg_classes`. :data:`CHECK_DIRECT`
     verifies this against Triton's binder on every launch. The constexprs must be the kernel's
     trailing parameters (checked when the binary is cached).
     """
@@ -194,7 +195,8 @@ class DirectKernel:
         if dev >= 0 and dev != torch._C._cuda_getDevice():  # launch on the tensors' device
             with torch.cuda.device(dev):
                 return self(grid, key, args, meta)
-        full = (key, dev, *[(a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor)])
+        full = (key, dev, *meta.values(),
+                *[(a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor)])
         entry = self._bins.get(full) if DIRECT else None
         if entry is None:
             ck = self.kernel[grid](*args, **meta)
@@ -297,8 +299,7 @@ class TunedKernel:
                 return
         else:
             cfg = self.fixed[1 if dtype == torch.float32 else 0]
-        self.direct(grid(cfg.kwargs), (id(cfg), tuple(const.values()), arg_classes(args)), args,
-                    {**const, **cfg.all_kwargs()})
+        self.direct(grid(cfg.kwargs), arg_classes(args), args, {**const, **cfg.all_kwargs()})
 
 
 __all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "TRITON_DTYPES", "DirectKernel", "TunedKernel", "arg_classes", "as_rows",
