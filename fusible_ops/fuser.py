@@ -258,7 +258,11 @@ class OperationFuser:
                     args[i] = t.view_as(t)  # give autograd.Function distinct inputs (an alias)
                 else:
                     seen.add(id(t))
-        outs = _FuserFunction.apply(x, self, plan, len(extra_inputs), *args)
+        if _eager_apply_ok():  # autograd.Function.apply's Python preamble, minus what eager does not need
+            outs = _RAW_APPLY(_unwrap(x), self, plan, len(extra_inputs), *[
+                _unwrap(a) if isinstance(a, torch.Tensor) else a for a in args])
+        else:
+            outs = _FuserFunction.apply(x, self, plan, len(extra_inputs), *args)
         if self.num_extra_outputs == 0:
             return outs[0]
         return tuple(outs)
@@ -384,3 +388,16 @@ class _FuserFunction(torch.autograd.Function):
         flat_pg = [t if needs[first + j] else None for j, t in enumerate(t for p in param_grads for t in p)]
         flat_ge = [t if needs[4 + j] else None for j, t in enumerate(t for e in grad_extra_in for t in e)]
         return (dx, None, None, None, *flat_ge, *flat_pg)
+
+
+# ``_FuserFunction.apply`` is a Python classmethod that, when no functorch transform is active,
+# unwraps dead functorch wrappers and calls the C++ apply. Eager calls do exactly that here without
+# its other per-call work; traced calls (torch.compile) and functorch transforms go through it.
+_RAW_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _FuserFunction)
+_unwrap = torch._C._functorch.unwrap_if_dead
+_transforms_active = torch._C._are_functorch_transforms_active
+_is_compiling = torch.compiler.is_compiling
+
+
+def _eager_apply_ok() -> bool:
+    return not _is_compiling() and not _transforms_active()

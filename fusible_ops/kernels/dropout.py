@@ -145,7 +145,7 @@ def keep_scale(p: float) -> float:
 def _dropout_launch(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     """Triton dropout of ``x`` (any shape/strides); returns a contiguous tensor of x's shape.
     seed: [1] int64 on x's device (read by the kernel)."""
-    key = (x.shape, x.stride(), x.device)
+    key = (x.shape, x.stride(), x.dtype, x.device)
     geo = _GEOMETRY.get(key)
     if geo is None:
         n_rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else (1 if x.dim() == 0 else 0)

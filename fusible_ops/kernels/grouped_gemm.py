@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from . import HAS_TRITON, interpreter_enabled, use_triton
-from .launch import TRITON_DTYPES, DirectKernel, TunedKernel, arg_classes, cdiv, compute_dtype, dot_precision, kernel_op
+from .launch import (TRITON_DTYPES, DirectKernel, TunedKernel, cdiv, compute_dtype, dot_precision, generic_key,
+                     kernel_op)
 from .persistent import (INTERP_MN, INTERP_WG, check_splits, group_p2, persistent_grid, same_dtype,
                          tma_ok)
 
@@ -256,7 +257,8 @@ def _grouped_bias_grad_op(dy: torch.Tensor, split_sizes: torch.Tensor) -> torch.
     BN = 16 if (interpreter_enabled() and not dy.is_cuda) else 64
     BR = 16 if BN == 16 else 32
     args = (dy, db, split_sizes, M, N, G, dy.stride(0), dy.stride(1))
-    _COLSUM((cdiv(N, BN), G), arg_classes(args), args, dict(G_P2=group_p2(G), BR=BR, BN=BN))
+    meta = dict(G_P2=group_p2(G), BR=BR, BN=BN)
+    _COLSUM((cdiv(N, BN), G), generic_key(args, meta), args, meta)
     return db
 
 

@@ -168,58 +168,80 @@ was compiled for (the GPU tests turn this on)."""
 class DirectKernel:
     """A ``@triton.jit`` kernel launched through the compiled binary of its specialization.
 
-    The first call with a given ``key`` (and device, and 16-byte alignment of each tensor
-    argument) goes through Triton (``kernel[grid](...)``: specialization, compilation, launch)
-    and keeps the compiled kernel; later calls pass the arguments straight to its launcher, on
-    the current stream of the tensors' device (the device of the first argument; switched to
-    for the launch when it is not the current one).
+    The first call with a given ``key`` goes through Triton (``kernel[grid](...)``:
+    specialization, compilation, launch) and keeps the compiled kernel; later calls hand the
+    arguments straight to its launcher, on the current stream of the device the binary was
+    loaded on (switched to for the launch when it is not the current one). A call with a tensor
+    whose address is not 16-byte aligned always goes through Triton (it specializes on that).
 
-    What must hold: ``key`` fixes every specialization Triton makes that the tensors' dtypes and
-    16-byte alignment and the ``meta`` values (both part of the cache key) do not, i.e. the value
-    class of each integer argument (1, a multiple of 16, 32 or 64 bit) and each ``None``:
-    callers key on the shapes and strides the integer arguments are computed from, or on
-    :func:`arg_classes`. :data:`CHECK_DIRECT`
-    verifies this against Triton's binder on every launch. The constexprs must be the kernel's
-    trailing parameters (checked when the binary is cached).
+    What must hold: ``key`` fixes every other specialization Triton makes, i.e. each tensor's
+    dtype, the device, the value class of each integer argument (1, a multiple of 16, 32 or 64
+    bit), each ``None`` and every constexpr in ``meta``: callers key on the device, shapes,
+    strides, dtypes and flags the arguments are computed from, or use :func:`generic_key`.
+    :data:`CHECK_DIRECT` verifies this against Triton's binder on every launch. The constexprs
+    must be the kernel's trailing parameters (checked when the binary is cached).
     """
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
-        self._bins: dict = {}
+        self._bins = geometry_cache()  # (emptied with the geometry caches: keys depend on tiling)
 
     def __call__(self, grid: tuple, key, args: tuple, meta: dict) -> None:
         """Launch on ``grid`` (a tuple of 1 to 3 ints) with positional ``args`` (every runtime
-        argument, in order; the first is a CUDA tensor) and ``meta`` (constexprs and launch
-        options such as ``num_warps``)."""
+        argument, in order; the first is a tensor) and ``meta`` (constexprs and launch options
+        such as ``num_warps``)."""
+        ptrs = 0
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                ptrs |= a.data_ptr()
+        entry = self._bins.get(key) if DIRECT and not ptrs & 15 else None
+        if entry is None:
+            self._first(grid, key, args, meta, not ptrs & 15)
+            return
+        go, dev, spec = entry
+        if CHECK_DIRECT:
+            self._check(args, meta, dev, spec)
+        if _MULTI_GPU and dev != torch._C._cuda_getDevice():
+            with torch.cuda.device(dev):
+                go(grid, _raw_stream(dev), args)
+            return
+        go(grid, _raw_stream(dev), args)
+
+    def _first(self, grid, key, args, meta, aligned) -> None:
+        """Through Triton; keeps the compiled kernel (CUDA, aligned tensors)."""
         dev = args[0].get_device()  # -1 on CPU (Triton's interpreter)
         if dev >= 0 and dev != torch._C._cuda_getDevice():  # launch on the tensors' device
             with torch.cuda.device(dev):
-                return self(grid, key, args, meta)
-        full = (key, dev, *meta.values(),
-                *[(a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor)])
-        entry = self._bins.get(full) if DIRECT else None
-        if entry is None:
-            ck = self.kernel[grid](*args, **meta)
-            if DIRECT and ck is not None:
-                self._bins[full] = self._entry(ck, args, meta, dev)
-            return
-        run, fn, md, tail, spec = entry
-        if CHECK_DIRECT:
-            self._check(args, meta, dev, spec)
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        run(grid[0], g1, g2, _raw_stream(dev), fn, md, None, None, None, *args, *tail)
+                return self._first(grid, key, args, meta, aligned)
+        ck = self.kernel[grid](*args, **meta)
+        if DIRECT and aligned and ck is not None:
+            remember(self._bins, key, (self._launcher(ck, args, meta), dev,
+                                       self._spec(args, meta, dev) if CHECK_DIRECT else None))
 
-    def _entry(self, ck, args, meta, dev) -> tuple:
-        params = self.kernel.params
+    def _launcher(self, ck, args, meta):
+        """``go(grid, stream, args)``: the compiled kernel's launch with the constexprs appended."""
         tail = []
-        for p in params[len(args):]:
+        for p in self.kernel.params[len(args):]:
             if not p.is_constexpr:
                 raise TypeError(f"{self.kernel.__name__}: DirectKernel needs the constexprs last; "
                                 f"{p.name} is a runtime argument after them")
             tail.append(meta[p.name] if p.name in meta else p.default)
-        spec = self._spec(args, meta, dev) if CHECK_DIRECT else None
-        return ck.run, ck.function, ck.packed_metadata, tuple(tail), spec
+        tail = tuple(tail)
+        run, fn, md = ck.run, ck.function, ck.packed_metadata
+        raw = getattr(run, "launch", None)
+        if (raw is not None and not hasattr(run, "arg_annotations") and not getattr(run, "gsan_enabled", False)
+                and not run.global_scratch_size and not run.profile_scratch_size):
+            # Triton 3.6's launcher object, nothing to allocate: its C launch directly
+            coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+
+            def go(grid, stream, args):
+                raw(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, fn, coop,
+                    pdl, None, None, md, None, None, None, *args, *tail)
+        else:
+            def go(grid, stream, args):
+                run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, fn, md,
+                    None, None, None, *args, *tail)
+        return go
 
     def _spec(self, args, meta, dev):
         binder = self.kernel.device_caches[dev][4]
@@ -230,6 +252,13 @@ class DirectKernel:
         if now != spec:
             raise AssertionError(f"{self.kernel.__name__}: direct launch with specialization {now}, "
                                  f"binary compiled for {spec}: its cache key misses an argument")
+
+
+def generic_key(args: tuple, meta: dict) -> tuple:
+    """A :class:`DirectKernel` key for call sites whose integer arguments are not computed from a
+    cached shape: the device, each tensor's dtype, :func:`arg_classes` and the ``meta`` values."""
+    return (args[0].device, *[a.dtype for a in args if isinstance(a, torch.Tensor)], arg_classes(args),
+            *meta.values())
 
 
 def arg_classes(args: tuple) -> tuple:
@@ -243,6 +272,9 @@ def arg_classes(args: tuple) -> tuple:
 
 def _raw_stream(dev: int) -> int:
     return torch._C._cuda_getCurrentRawStream(dev)
+
+
+_MULTI_GPU = torch.cuda.is_available() and torch.cuda.device_count() > 1
 
 
 # ----------------------------------------------------------------------------- config runner
@@ -299,9 +331,11 @@ class TunedKernel:
                 return
         else:
             cfg = self.fixed[1 if dtype == torch.float32 else 0]
-        self.direct(grid(cfg.kwargs), arg_classes(args), args, {**const, **cfg.all_kwargs()})
+        meta = {**const, **cfg.all_kwargs()}
+        self.direct(grid(cfg.kwargs), generic_key(args, meta), args, meta)
 
 
 __all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "TRITON_DTYPES", "DirectKernel", "TunedKernel", "arg_classes", "as_rows",
-           "cdiv", "clear_geometry_caches", "compute_dtype", "dot_precision", "elementwise_config", "geometry_cache",
+           "cdiv", "clear_geometry_caches", "compute_dtype", "dot_precision", "elementwise_config", "generic_key",
+           "geometry_cache",
            "kernel_op", "needs_int64", "next_pow2", "num_sms", "remember"]

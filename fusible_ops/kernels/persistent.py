@@ -23,7 +23,7 @@ import threading
 import torch
 
 from . import interpreter_enabled
-from .launch import DirectKernel, arg_classes, cdiv, next_pow2, num_sms
+from .launch import DirectKernel, cdiv, generic_key, next_pow2, num_sms
 
 try:
     import triton
@@ -250,7 +250,8 @@ def splits_ok(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
     One launch, no host sync (the torch-op form of this check costs five)."""
     ok = torch.empty((), dtype=torch.bool, device=split_sizes.device)
     G = split_sizes.shape[0]
-    _SPLITS_OK((1,), (G, arg_classes((rows,))), (split_sizes, G, rows, ok), dict(G_P2=group_p2(G)))
+    args, meta = (split_sizes, G, rows, ok), dict(G_P2=group_p2(G))
+    _SPLITS_OK((1,), generic_key(args, meta), args, meta)
     return ok
 
 

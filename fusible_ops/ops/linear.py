@@ -59,8 +59,9 @@ class BasicLinear(WeightGradMixin, BasicOperation):
     def save_ctx(self, ctx, x: torch.Tensor) -> None:
         """What backward needs: x only for the weight gradient, the weight only for dgrad.
         Sets ``ctx.weight_grad``."""
-        ctx.weight_grad = ctx.weight_requires_grad and self.weight.requires_grad
-        ctx.save_for_backward(x if ctx.weight_grad else None, self.weight if ctx.input_requires_grad else None)
+        w = self.weight
+        ctx.weight_grad = wg = ctx.weight_requires_grad and w.requires_grad
+        ctx.save_for_backward(x if wg else None, w if ctx.input_requires_grad else None)
         ctx.input_shape = x.shape
 
     def op_forward(self, ctx, x, **kwargs):
@@ -122,7 +123,9 @@ class Bias(BasicOperation):
         return x + self.bias
 
     def op_backward(self, ctx, dy):
-        db = dy.reshape(-1, self.size).sum(0) if ctx.bias_grad else None
+        db = None
+        if ctx.bias_grad:
+            db = dy.sum(0) if dy.dim() == 2 else dy.reshape(-1, self.size).sum(0)
         return (dy if ctx.input_requires_grad else None), (db,)
 
     def reference_forward(self, x):
