@@ -16,7 +16,7 @@ Math (fp32 inside the kernels for every input dtype; results cast back):
   ``dweight = sum_rows(dy * xhat)``, ``dbias = sum_rows(dy)``. Row partials of ``dweight``/``dbias``
   go to a ``[num_programs, N]`` fp32 buffer that torch then sums: deterministic, no atomics.
 
-Configs (explicit, see ``_fwd_config`` / ``_bwd_config``; register use checked with ptxas for
+Configs (explicit, in :mod:`.norm_config`; register use checked with ptxas for
 sm_90): rows of up to ``_FWD_MAX_FUSED_N`` / ``_BWD_MAX_FUSED_N`` columns are held in registers
 (several rows per program when N is small). Forward variants: whole rows, or ``LOOP`` (wider
 rows, or rows wider than ``_FWD_NORES_MAX_FUSED_N`` without residual: statistics pass, then
@@ -35,8 +35,8 @@ from typing import Optional
 import torch
 
 from . import HAS_TRITON, use_triton
-from .launch import (TRITON_DTYPES, DirectKernel, as_rows, cdiv, geometry_cache, kernel_op, next_pow2, num_sms,
-                     remember)
+from . import norm_config as cfg
+from .launch import TRITON_DTYPES, DirectKernel, as_rows, cdiv, geometry_cache, kernel_op, num_sms, remember
 from .norm_ref import (  # noqa: F401  (re-exported: one module to import)
     layernorm_bwd_ref,
     layernorm_fwd_ref,
@@ -44,25 +44,6 @@ from .norm_ref import (  # noqa: F401  (re-exported: one module to import)
     rmsnorm_fwd_ref,
 )
 
-
-# ---- configuration (explicit and small; tests shrink the thresholds to exercise the wide-row variants)
-_TILE = 2048  # elements per program tile when N is small (rows per program = _TILE // BLOCK_N)
-_FWD_MAX_FUSED_N = 16384  # forward: widest row held in registers as one block (32 warps)
-_FWD_NORES_MAX_FUSED_N = 8192  # forward without residual: wider rows loop (H200 16384^2: 0.39 vs 0.66 ms)
-_FWD_LOOP_BLOCK_N = 8192  # forward, wider rows: column block of the two-pass loop variant
-_BWD_MAX_FUSED_N = 16384  # backward: widest row held in registers with its dweight/dbias partials
-_BWD_SLICE_N = 8192  # backward, wider rows: column slice per program of the sliced variant
-_FWD_WARPS_CAP = 32  # forward: most warps per program of the fused variant
-_FWD_LOOP_WARPS = 16  # forward loop variant warps (0: BLOCK_N // 256, at least 4)
-_BWD_WARPS_CAP = 16  # backward: most warps per program of the fused variant
-_BWD_SLICE_WARPS = 16  # backward sliced variant: most warps per program
-_BWD_RELOAD_MIN_N = 8193  # backward fused: re-load xsum/dy for dx (H200 LayerNorm 16384^2: 0.97 vs 2.56 ms)
-_BWD_PROGS_PER_SM = 0  # backward fused: persistent programs per SM (0: 32 // num_warps)
-_BWD_HALVES_MIN_N = 8193  # LayerNorm backward, n >= this (and <= _BWD_MAX_FUSED_N): halves variant
-_BWD_HALVES_WARPS = 16  # backward halves variant: warps per program
-_BWD_DB_COLSUM_MIN_N = 8193  # n >= this: dbias is a separate fp32 column sum of dy (torch), the kernel keeps
-# only dweight partials live. H200 LayerNorm bwd 16384^2: fused RELOAD 0.983 ms -> colsum + halves 0.816 ms;
-# RMSNorm keeps fused RELOAD (0.600 ms vs 0.643 ms with halves)
 
 if HAS_TRITON:
     import triton
@@ -343,35 +324,6 @@ if HAS_TRITON:
 # ---- launchers
 
 
-def _fused_config(n: int, rows: int, fwd: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for whole rows held in registers, ~``_TILE`` elements per
-    program. Warps by tile size (checked with ptxas for sm_90: <= 128 registers per thread):
-    tile <= 1024: 4, 2048: 8, 4096: 16, 8192: 32 fwd / 16 bwd (16 elements per thread, which
-    still fits the bwd's dweight/dbias partials), 16384: 32."""
-    block_n = max(16, next_pow2(n))
-    block_m = max(1, min(_TILE // block_n, next_pow2(rows)))
-    tile = block_m * block_n
-    warps = min(32, max(4, tile // 256))
-    if not fwd and tile == 8192:
-        warps = 16
-    warps = min(warps, _FWD_WARPS_CAP if fwd else _BWD_WARPS_CAP)
-    return block_m, block_n, warps
-
-
-def _fwd_config(n: int, rows: int, has_res: bool = True) -> tuple[bool, int, int, int]:
-    """(loop, BLOCK_M, BLOCK_N, num_warps) of the forward for rows of n columns."""
-    if n > _FWD_MAX_FUSED_N or (not has_res and n > _FWD_NORES_MAX_FUSED_N):
-        return True, 1, _FWD_LOOP_BLOCK_N, _FWD_LOOP_WARPS or max(4, _FWD_LOOP_BLOCK_N // 256)
-    return (False,) + _fused_config(n, rows, fwd=True)
-
-
-def _bwd_config(n: int, rows: int) -> tuple[bool, int, int, int]:
-    """(sliced, BLOCK_M, BLOCK_N, num_warps) of the backward for rows of n columns."""
-    if n > _BWD_MAX_FUSED_N:
-        return True, 1, _BWD_SLICE_N, max(4, min(_BWD_SLICE_WARPS, _BWD_SLICE_N // 256))
-    return (False,) + _fused_config(n, rows, fwd=False)
-
-
 def _fwd_outputs(x: torch.Tensor, residual: Optional[torch.Tensor], is_rms: bool):
     """Fresh (y, mean, rstd, xsum) of the forward (real or fake tensors): mean and rstd fp32 [rows];
     a [0] placeholder for mean (RMSNorm) and for xsum (no residual)."""
@@ -387,7 +339,7 @@ _GEOMETRY = geometry_cache()  # launch geometry per (direction, shapes, strides,
 def _fwd_geometry(key, x, weight, bias, residual, is_rms):
     n = x.shape[-1]
     rows = math.prod(x.shape[:-1])
-    loop, block_m, block_n, warps = _fwd_config(n, rows, residual is not None)
+    loop, block_m, block_n, warps = cfg._fwd_config(n, rows, residual is not None)
     meta = dict(IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
                 LOOP=loop, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     return remember(_GEOMETRY, key, (rows, n, (cdiv(rows, block_m),), meta))
@@ -419,8 +371,8 @@ def _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, has_w, has_dxe):
     rows = math.prod(xsum.shape[:-1])
     if rows == 0 or n == 0:
         return remember(_GEOMETRY, key, (rows, n, None, None, 0, False, False))
-    sliced, block_m, block_n, warps = _bwd_config(n, rows)
-    halves = not sliced and n >= _BWD_HALVES_MIN_N and not is_rms
+    sliced, block_m, block_n, warps = cfg._bwd_config(n, rows)
+    halves = not sliced and n >= cfg._BWD_HALVES_MIN_N and not is_rms
     sms = num_sms(xsum.device)
     if sliced:  # grid (slices, row programs); the slices of one row group run side by side
         n_slices = cdiv(n, block_n)
@@ -428,13 +380,13 @@ def _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, has_w, has_dxe):
         grid = (n_slices, nprog)
     else:
         if halves:  # one row per program, BLOCK_N is half a row
-            block_m, block_n, warps = 1, max(16, block_n // 2), _BWD_HALVES_WARPS
-        nprog = min(cdiv(rows, block_m), sms * (_BWD_PROGS_PER_SM or max(1, 32 // warps)))
+            block_m, block_n, warps = 1, max(16, block_n // 2), cfg._BWD_HALVES_WARPS
+        nprog = min(cdiv(rows, block_m), sms * (cfg._BWD_PROGS_PER_SM or max(1, 32 // warps)))
         grid = (nprog,)
-    db_colsum = need_dbias and not sliced and n >= _BWD_DB_COLSUM_MIN_N
+    db_colsum = need_dbias and not sliced and n >= cfg._BWD_DB_COLSUM_MIN_N
     meta = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DXE=has_dxe, NEED_DW=need_dweight, NEED_DB=need_dbias and not db_colsum,
                 VARIANT="sliced" if sliced else "halves" if halves else "fused",
-                BLOCK_M=block_m, BLOCK_N=block_n, RELOAD=n >= _BWD_RELOAD_MIN_N, num_warps=warps)
+                BLOCK_M=block_m, BLOCK_N=block_n, RELOAD=n >= cfg._BWD_RELOAD_MIN_N, num_warps=warps)
     return remember(_GEOMETRY, key, (rows, n, grid, meta, nprog, db_colsum, meta["NEED_DB"]))
 
 

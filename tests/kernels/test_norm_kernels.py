@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import fusible_ops.kernels as K
 from fusible_ops.kernels import norm as N
+from fusible_ops.kernels import norm_config as NC
 from fusible_ops.testing import assert_close, assert_close_norm
 
 EPS = 1e-5
@@ -197,10 +198,10 @@ def test_triton_interpreter_no_weight(rms):
 @pytest.fixture
 def wide_rows(monkeypatch):
     """Shrink the thresholds so small N runs the forward loop and backward sliced kernels."""
-    monkeypatch.setattr(N, "_FWD_MAX_FUSED_N", 16)
-    monkeypatch.setattr(N, "_FWD_LOOP_BLOCK_N", 16)
-    monkeypatch.setattr(N, "_BWD_MAX_FUSED_N", 16)
-    monkeypatch.setattr(N, "_BWD_SLICE_N", 16)
+    monkeypatch.setattr(NC, "_FWD_MAX_FUSED_N", 16)
+    monkeypatch.setattr(NC, "_FWD_LOOP_BLOCK_N", 16)
+    monkeypatch.setattr(NC, "_BWD_MAX_FUSED_N", 16)
+    monkeypatch.setattr(NC, "_BWD_SLICE_N", 16)
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
@@ -213,7 +214,7 @@ def wide_rows(monkeypatch):
     ],
 )
 def test_triton_interpreter_wide_row_kernels(wide_rows, shape, dtype, pdtype, res, dxe, nc, rms):
-    assert N._fwd_config(shape[-1], 4)[0] and N._bwd_config(shape[-1], 4)[0]
+    assert NC._fwd_config(shape[-1], 4)[0] and NC._bwd_config(shape[-1], 4)[0]
     _check_norm(shape, dtype, pdtype, res, dxe, True, True, nc, rms=rms)
     _check_norm(shape, dtype, pdtype, res, dxe, False, False, nc, rms=rms)
 
@@ -326,7 +327,7 @@ def test_gpu_torch_compile_fullgraph():
 @pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
 def test_triton_interpreter_bwd_reload(monkeypatch, rms):
     """The fused backward's RELOAD mode (wide rows: xsum/dy loaded twice) matches float64 math."""
-    monkeypatch.setattr(N, "_BWD_RELOAD_MIN_N", 1)
+    monkeypatch.setattr(NC, "_BWD_RELOAD_MIN_N", 1)
     _check_norm((5, 33), torch.bfloat16, torch.float32, True, True, True, True, "rows", rms=rms)
     _check_norm((3, 7), torch.float16, None, False, False, False, False, None, rms=rms)
 
@@ -336,10 +337,10 @@ def test_triton_interpreter_bwd_reload(monkeypatch, rms):
 def test_triton_interpreter_bwd_variants(monkeypatch, rms, variant):
     """The backward's halves kernel and the separate dbias column sum match float64 math."""
     if "halves" in variant:
-        monkeypatch.setattr(N, "_BWD_HALVES_MIN_N", 1)
-        monkeypatch.setattr(N, "_BWD_HALVES_WARPS", 4)
+        monkeypatch.setattr(NC, "_BWD_HALVES_MIN_N", 1)
+        monkeypatch.setattr(NC, "_BWD_HALVES_WARPS", 4)
     if "db_colsum" in variant:
-        monkeypatch.setattr(N, "_BWD_DB_COLSUM_MIN_N", 1)
+        monkeypatch.setattr(NC, "_BWD_DB_COLSUM_MIN_N", 1)
     _check_norm((5, 33), torch.bfloat16, torch.float32, True, True, True, True, "rows", rms=rms)
     _check_norm((3, 7), torch.float16, None, False, False, False, True, None, rms=rms)
 
@@ -349,8 +350,8 @@ def test_triton_interpreter_bwd_variants(monkeypatch, rms, variant):
 @pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
 def test_gpu_bwd_variants(monkeypatch, rms, variant):
     if "halves" in variant:
-        monkeypatch.setattr(N, "_BWD_HALVES_MIN_N", 1)
+        monkeypatch.setattr(NC, "_BWD_HALVES_MIN_N", 1)
     if "db_colsum" in variant:
-        monkeypatch.setattr(N, "_BWD_DB_COLSUM_MIN_N", 1)
+        monkeypatch.setattr(NC, "_BWD_DB_COLSUM_MIN_N", 1)
     for shape in [(65, 8193), (33, 16384), (517, 1000)]:
         _check_norm(shape, torch.bfloat16, torch.float32, True, True, True, True, "rows", rms=rms, device="cuda")
