@@ -13,8 +13,10 @@ from .graphs import make_graphed_callables
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
 from .ops import (
     GEGLU, GELU, AddExtraInput, BasicLinear, Bias, ConstantScale, Dropout, GroupedLinear, Identity, LayerNorm,
-    Linear, MakeExtraOutput, ReGLU, ReLU, Reshape, RMSNorm, ScaledSwiGLU, SiLU, SwiGLU,
+    Linear, MakeExtraOutput, Quantize, ReGLU, ReLU, Reshape, RMSNorm, ScaledSwiGLU, SiLU, SwiGLU,
 )
+from . import quantization
+from .quantization import Float8BlockScaling, Float8CurrentScaling, Float8DelayedScaling, Float8Tensor, autocast
 from .rules import FusionContext, RuleSet, match, register_fusion
 from .sequential import Sequential
 from . import fusion_rules, rules  # noqa: E402
@@ -24,7 +26,8 @@ rules.install_builtin(fusion_rules.BUILTIN_RULES)
 __version__ = "0.1.0"
 
 __all__ = [
-    "AddExtraInput", "BasicLinear", "BasicOperation", "Bias", "ConstantScale", "Dropout", "FusedOperation",
+    "AddExtraInput", "BasicLinear", "Float8BlockScaling", "Float8CurrentScaling", "Float8DelayedScaling",
+    "Float8Tensor", "Quantize", "autocast", "quantization", "BasicOperation", "Bias", "ConstantScale", "Dropout", "FusedOperation",
     "FusibleOperation", "FusionContext", "GEGLU", "GELU", "GroupedLinear", "Identity", "LayerNorm", "Linear",
     "MakeExtraOutput", "OperationContext", "OperationFuser", "ReGLU", "ReLU", "Reshape", "RMSNorm", "RuleSet",
     "ScaledSwiGLU", "SiLU", "Sequential", "SwiGLU", "check_errors", "delayed_wgrad", "device_checks", "flush_wgrad", "fusion_rules", "kernels", "make_graphed_callables",

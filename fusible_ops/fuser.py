@@ -25,12 +25,11 @@ from torch.nn.utils import parametrize
 
 from .grad import check_flagged_ops
 from .op import BasicOperation, OperationContext
+from .quantization.recipes import current_recipe
+from .quantization.tensor import Float8Tensor
 from .rules import Decline, FusionContext, Group, RuleSet, disabled_key, global_rules, plan_pass
 
 
-def current_recipe() -> Any:
-    """The active quantization recipe (``None`` until FP8 support lands)."""
-    return None
 
 
 @dataclasses.dataclass
@@ -300,6 +299,8 @@ class _FuserFunction(torch.autograd.Function):
         extra_outputs: list[tuple] = [()] * n
         y = x
         for op, idx, kwargs in plan.forward_steps:
+            if type(y) is Float8Tensor and not getattr(fuser.ops[idx[0]], "accepts_fp8", False):
+                y = y.dequantize()  # an op that reads plain tensors
             if len(idx) == 1:
                 i = idx[0]
                 y, ex = op.fuser_forward([ctxs[i]], y, extra_inputs=[extra_inputs[i]], basic_op_kwargs=kwargs)
@@ -366,6 +367,8 @@ class _FuserFunction(torch.autograd.Function):
         param_grads: list[tuple] = [(None,) * c for c in plan.param_counts]
         grad_extra_in: list[tuple] = list(fuser._none_extra_grads)
         for op, idx in plan.backward_steps:
+            if type(dy) is Float8Tensor and not getattr(ops[idx[-1]], "accepts_fp8", False):
+                dy = dy.dequantize()
             dy, pg, ge = op.fuser_backward(
                 [ctxs[i] for i in idx], dy, grad_extra_outputs=[grad_extra_out[i] for i in idx]
             )
@@ -382,6 +385,8 @@ class _FuserFunction(torch.autograd.Function):
                 ctxs[i].release()
         if not plan.backward_complete:
             dy = None
+        elif type(dy) is Float8Tensor:  # autograd gets plain gradients
+            dy = dy.dequantize()
         dx = dy if func_ctx.x_requires_grad else None
         needs = func_ctx.needs_input_grad
         first = 4 + func_ctx.num_extra

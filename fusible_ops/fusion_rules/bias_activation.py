@@ -21,7 +21,6 @@ import torch
 
 from ..kernels import activation as _K
 from ..kernels import use_triton
-from ..kernels.gemm import linear_fprop
 from ..op import FusedOperation
 from ..ops.activation import ACTIVATION_CLASSES, Activation
 from ..ops.linear import BasicLinear, Bias
@@ -57,20 +56,15 @@ class ForwardLinearBiasActivation(FusedOperation):
         r = self.roles
         (lin, li), (bias, bi), (act, ai), (drop, di) = r["linear"], r["bias"], r["act"], r["dropout"]
         if lin is not None:
-            lin.check_input(x)
             if act is None or not use_triton(x):  # the bias in the GEMM's epilogue (addmm)
                 bias.check_input(x, shape=(*x.shape[:-1], lin.out_features))
                 bias.save_ctx(ctxs[bi])
-                z = linear_fprop(x, lin.weight, bias.bias)
-                if ctxs[li].requires_grad:
-                    lin.save_ctx(ctxs[li], x)
+                z = lin.fprop(ctxs[li], x, bias.bias)
                 if act is None:  # linear + bias only
                     return z, self._no_extras
                 bias = None  # reference math (CPU): the activation's ctx keeps the biased z, act_bias None
             else:
-                z = linear_fprop(x, lin.weight)
-                if ctxs[li].requires_grad:
-                    lin.save_ctx(ctxs[li], x)
+                z = lin.fprop(ctxs[li], x)
         else:
             z = x
         b = None

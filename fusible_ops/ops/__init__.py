@@ -5,9 +5,10 @@ from .grouped_linear import GroupedLinear
 from .linear import Bias, BasicLinear, Linear
 from .misc import AddExtraInput, ConstantScale, Dropout, Identity, MakeExtraOutput, Reshape
 from .norm import NORM_CLASSES, LayerNorm, RMSNorm
+from .quantize import Quantize
 
 __all__ = [
     "ACTIVATION_CLASSES", "Activation", "AddExtraInput", "BasicLinear", "Bias", "ConstantScale", "Dropout",
     "GEGLU", "GELU", "GroupedLinear", "Identity", "LayerNorm", "Linear", "MakeExtraOutput", "NORM_CLASSES",
-    "RMSNorm", "ReGLU", "ReLU", "Reshape", "ScaledSwiGLU", "SiLU", "SwiGLU",
+    "Quantize", "RMSNorm", "ReGLU", "ReLU", "Reshape", "ScaledSwiGLU", "SiLU", "SwiGLU",
 ]

@@ -8,18 +8,27 @@ from typing import Optional
 import torch
 
 from ..grad import WeightGradMixin, deliver_weight_grad
-from ..op import BasicOperation, FusibleOperation
 from ..kernels.gemm import linear_dgrad, linear_fprop, linear_wgrad
+from ..op import BasicOperation, FusibleOperation
+from ..quantization.quantize import FP8StateMixin
+from ..quantization.recipes import current_recipe
+from ..quantization.tensor import Float8Tensor
+from .fp8_linear import fp8_backward, fp8_forward
 from .validation import check_input
 
 
-class BasicLinear(WeightGradMixin, BasicOperation):
+class BasicLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
     """``y = x @ weight.T`` with ``weight`` [out_features, in_features]. No bias (see :class:`Bias`).
 
     Gradient contract flags (see :mod:`fusible_ops.grad` and the README table):
     ``accumulate_into_main_grad``, ``delay_wgrad_compute``. A frozen weight
     (``requires_grad=False``) costs no weight-gradient GEMM and its input is not saved.
+
+    Inside :func:`fusible_ops.autocast` with a recipe, forward and backward GEMMs run in FP8
+    (see :mod:`fusible_ops.ops.fp8_linear`); the output keeps the input's dtype.
     """
+
+    accepts_fp8 = True  # reads a Float8Tensor input / output gradient directly
 
     def __init__(
         self,
@@ -64,14 +73,33 @@ class BasicLinear(WeightGradMixin, BasicOperation):
         ctx.save_for_backward(x if wg else None, w if ctx.input_requires_grad else None)
         ctx.input_shape = x.shape
 
-    def op_forward(self, ctx, x, **kwargs):
+    def fprop(self, ctx, x: torch.Tensor, bias=None) -> torch.Tensor:
+        """Checked ``x @ weight.T (+ bias)`` with the ctx filled for this op's backward (FP8
+        under an active recipe, the bias then added after the GEMM). The piece fused ops call."""
         self.check_input(x)
-        y = linear_fprop(x, self.weight)
+        recipe = current_recipe()
+        if recipe is not None:
+            y = fp8_forward(self, ctx, x, recipe)
+            return y + bias if bias is not None else y
+        ctx.fp8 = None
+        if isinstance(x, Float8Tensor):
+            x = x.dequantize()
+        y = linear_fprop(x, self.weight, bias)
         if ctx.requires_grad:
             self.save_ctx(ctx, x)
         return y
 
+    def input_quantizer(self):
+        """``(recipe, "input")`` under an active recipe: this op reads its input in FP8."""
+        recipe = current_recipe()
+        return None if recipe is None else (recipe, "input")
+
+    def op_forward(self, ctx, x, **kwargs):
+        return self.fprop(ctx, x)
+
     def op_backward(self, ctx, dy):
+        if getattr(ctx, "fp8", None) is not None:
+            return fp8_backward(self, ctx, dy)
         x, w = ctx.saved_tensors
         dy2d = dy if dy.dim() == 2 else dy.reshape(-1, self.out_features)  # (a reshape costs host time)
         dx = None
@@ -132,7 +160,7 @@ class Bias(BasicOperation):
         return x + self.bias
 
 
-class Linear(FusibleOperation):
+class Linear(FP8StateMixin, FusibleOperation):
     """``torch.nn.Linear`` as fusible ops: ``y = x @ weight.T + bias``, run as
     :class:`BasicLinear` followed by :class:`Bias` (so it fuses with its neighbours).
 

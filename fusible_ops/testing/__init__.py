@@ -8,12 +8,15 @@
   (``OpSpec``, ``BUILTIN_OPS``), ``chains()``, shapes, dtypes, and :func:`fusion_settings`
   (also importable from here).
 * The one tolerance table by dtype (:data:`TOLERANCES`) and comparison helpers.
+* FP8: :func:`sqnr`, :func:`assert_sqnr`, the threshold table :data:`SQNR_DB` and
+  :func:`quantized_reference` (:mod:`fusible_ops.testing.fp8`).
 """
 
 from .reference import (
     MissingReferenceError, UncheckedOpWarning, assert_close_scaled, assert_matches_reference, run_reference,
     run_unfused,
 )
+from .fp8 import SQNR_DB, assert_sqnr, quantized_reference, sqnr
 from .tolerances import (
     BASELINE_ATOL, BASELINE_FACTOR, NORM_TOLERANCES, TOLERANCES, assert_close, assert_close_norm, tolerance,
 )
@@ -21,6 +24,7 @@ from .tolerances import (
 _FROM_STRATEGIES = ("BUILTIN_OPS", "Chain", "OpSpec", "chains", "dtypes", "fusion_settings", "leading_shapes")
 
 __all__ = [
+    "SQNR_DB", "assert_sqnr", "quantized_reference", "sqnr",
     "BASELINE_ATOL", "BASELINE_FACTOR", "MissingReferenceError", "NORM_TOLERANCES", "TOLERANCES",
     "UncheckedOpWarning", "assert_close", "assert_close_norm", "assert_close_scaled", "assert_matches_reference",
     "run_reference", "run_unfused", "tolerance", *_FROM_STRATEGIES,

@@ -1,0 +1,303 @@
+"""FP8 casts: per-tensor (with an optional transposed copy and amax in the same pass) and
+blockwise (1x128 tiles or 128x128 blocks, each scaled by its own amax, with an optional
+transposed copy scaled along the other dim).
+
+Layout: the jit kernels, their launchers, the ``*_ref`` twins and the public functions. The
+Triton kernels and the refs agree bit for bit on the FP8 bytes and the scales (tests check it):
+both compute ``scale = fp8_max / amax`` (1 when amax is 0, capped at fp32's max) with one
+correctly rounded fp32 division, ``scale_inv = 1 / scale`` likewise, power-of-two scales by
+clearing the mantissa bits, and ``q = fp8(clamp(x * scale, -fp8_max, fp8_max))`` (round to
+nearest even).
+
+Scale layouts are the ones ``torch._scaled_mm`` reads on Hopper:
+
+* per tensor: a 0-dim fp32 ``scale_inv``.
+* ``"1x128"``: ``x`` [M, K] -> ``scale_inv`` [M, ceil(K/128)] with strides ``(1, M)``
+  (column-major); the transposed copy [K, M] gets [K, ceil(M/128)] with strides ``(1, K)``.
+* ``"128x128"``: ``scale_inv`` [ceil(M/128), ceil(K/128)] row-major; the transposed copy's scale
+  is its transpose, made contiguous.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import HAS_TRITON, use_triton
+from .launch import TRITON_DTYPES, cdiv
+
+FP32_MAX = torch.finfo(torch.float32).max
+BLOCK = 128  # the block recipe's tile edge
+_FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _scale_of(amax, FMAX: tl.constexpr, POW2: tl.constexpr):
+        # scale = FMAX / amax (1 for amax 0, at most fp32's max), optionally rounded down to 2^k
+        pos = amax > 0.0
+        scale = tl.where(pos, tl.math.div_rn(tl.full(amax.shape, FMAX, tl.float32), tl.where(pos, amax, 1.0)), 1.0)
+        scale = tl.minimum(scale, 3.4028234663852886e38)
+        if POW2:
+            scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        return scale
+
+    @triton.jit
+    def _to_fp8(x, scale, FMAX: tl.constexpr, dtype: tl.constexpr):
+        # fp8(clamp(x * scale)), rounded to nearest even in fp32 first (the value is then exact in
+        # fp8, so the conversion itself does not round: the same bytes on the GPU and in Triton's
+        # interpreter, whose own fp8 rounding is not round-to-nearest-even). Quantum of |y|'s
+        # binade: 2^(exponent - mantissa bits), at least the fp8 subnormal step; adding and
+        # subtracting quantum * 2^23 rounds to a multiple of it.
+        y = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
+        bits = y.to(tl.int32, bitcast=True)
+        a = tl.abs(y)
+        binade = (bits & 0x7F800000).to(tl.float32, bitcast=True)
+        if FMAX == 448.0:  # E4M3: 3 mantissa bits, subnormal step 2^-9
+            q = tl.maximum(binade * 0.125, 0.001953125)
+        else:  # E5M2: 2 mantissa bits, subnormal step 2^-16
+            q = tl.maximum(binade * 0.25, 1.52587890625e-05)
+        big = q * 8388608.0
+        r = (a + big) - big
+        r = (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # y's sign
+        return r.to(dtype)
+
+    @triton.jit
+    def _cast_tensor_kernel(
+        X, SCALE, Q, QT, AMAX,  # X [M, N] (row stride stride_x), SCALE fp32 [1], Q [M, N], QT [N, M], AMAX fp32 [1]
+        M, N, stride_x,
+        FMAX: tl.constexpr, HAS_T: tl.constexpr, HAS_AMAX: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        r64 = rows.to(tl.int64)
+        c64 = cols.to(tl.int64)
+        x = tl.load(X + r64[:, None] * stride_x + c64[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(SCALE)
+        q = _to_fp8(x, scale, FMAX, Q.dtype.element_ty)
+        tl.store(Q + r64[:, None] * N + c64[None, :], q, mask=mask)
+        if HAS_T:
+            tl.store(QT + c64[:, None] * M + r64[None, :], tl.trans(q), mask=tl.trans(mask))
+        if HAS_AMAX:
+            tl.atomic_max(AMAX, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+
+    @triton.jit
+    def _cast_block_kernel(
+        X, Q, S, QT, ST,  # X [M, N]; Q [M, N]; S scale_inv; QT [N, M]; ST its scale_inv
+        M, N, stride_x, stride_s0, stride_s1, stride_st0, stride_st1,
+        FMAX: tl.constexpr, SQUARE: tl.constexpr, POW2: tl.constexpr, HAS_T: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # One [BLOCK, BLOCK] tile per program. SQUARE: one scale for the tile (128x128 blocks);
+        # else one scale per row of the tile (1x128), and for QT one per column (1x128 along M).
+        bm = tl.program_id(0)
+        bn = tl.program_id(1)
+        rows = bm * BLOCK + tl.arange(0, BLOCK)
+        cols = bn * BLOCK + tl.arange(0, BLOCK)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        r64 = rows.to(tl.int64)
+        c64 = cols.to(tl.int64)
+        x = tl.load(X + r64[:, None] * stride_x + c64[None, :], mask=mask, other=0.0).to(tl.float32)
+        ax = tl.abs(x)
+        if SQUARE:
+            scale = _scale_of(tl.max(tl.max(ax, axis=1), axis=0), FMAX, POW2)
+            q = _to_fp8(x, scale, FMAX, Q.dtype.element_ty)
+            inv = tl.math.div_rn(1.0, scale)
+            tl.store(S + bm * stride_s0 + bn * stride_s1, inv)
+            if HAS_T:
+                tl.store(QT + c64[:, None] * M + r64[None, :], tl.trans(q), mask=tl.trans(mask))
+                tl.store(ST + bn * stride_st0 + bm * stride_st1, inv)
+        else:
+            scale = _scale_of(tl.max(ax, axis=1), FMAX, POW2)  # [BLOCK] per row
+            q = _to_fp8(x, scale[:, None], FMAX, Q.dtype.element_ty)
+            tl.store(S + r64 * stride_s0 + bn * stride_s1, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale),
+                     mask=rows < M)
+            if HAS_T:
+                scale_t = _scale_of(tl.max(ax, axis=0), FMAX, POW2)  # [BLOCK] per column
+                qt = _to_fp8(x, scale_t[None, :], FMAX, QT.dtype.element_ty)
+                tl.store(QT + c64[:, None] * M + r64[None, :], tl.trans(qt), mask=tl.trans(mask))
+                tl.store(ST + c64 * stride_st0 + bm * stride_st1,
+                         tl.math.div_rn(tl.full(scale_t.shape, 1.0, tl.float32), scale_t), mask=cols < N)
+        tl.store(Q + r64[:, None] * N + c64[None, :], q, mask=mask)
+
+
+# ---- shared pieces of launchers and refs
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as [M, K] with a unit column stride (a copy only when needed)."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    return x2 if x2.shape[1] <= 1 or x2.stride(1) == 1 else x2.contiguous()
+
+
+def block_scale_buffers(m: int, k: int, square: bool, device, transposed: bool):
+    """Fresh scale_inv tensors in ``torch._scaled_mm``'s layouts (see the module docstring) for an
+    [m, k] operand and, with ``transposed``, its [k, m] copy: (s, st or None)."""
+    mb, kb = cdiv(m, BLOCK), cdiv(k, BLOCK)
+    if square:
+        s = torch.empty(mb, kb, device=device, dtype=torch.float32)
+        st = torch.empty(kb, mb, device=device, dtype=torch.float32) if transposed else None
+    else:
+        s = torch.empty(kb, m, device=device, dtype=torch.float32).t()
+        st = torch.empty(mb, k, device=device, dtype=torch.float32).t() if transposed else None
+    return s, st
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max|x|`` as an fp32 [1] device tensor (one reduction, no host sync; 0 for an empty x)."""
+    if x.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=x.device)
+    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1)
+
+
+# ---- references (pure torch; bit-exact twins of the kernels)
+
+
+def scale_from_amax_ref(amax: torch.Tensor, fmax: float, pow2: bool = False) -> torch.Tensor:
+    """``fmax / amax`` (1 where amax is 0, capped at fp32's max), fp32, optionally rounded down to a
+    power of two; the kernels' ``_scale_of``."""
+    amax = amax.float()
+    scale = torch.where(amax > 0, torch.tensor(fmax, dtype=torch.float32, device=amax.device) / amax, 1.0)
+    scale = torch.clamp(scale, max=FP32_MAX)
+    if pow2:
+        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return scale
+
+
+def _to_fp8_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    fmax = _FMAX[dtype]
+    return torch.clamp(x.float() * scale, -fmax, fmax).to(dtype)
+
+
+def cast_tensor_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False,
+                    amax: Optional[torch.Tensor] = None):
+    """Per-tensor cast of ``x`` [..., K] (as [M, K]) with the fp32 device scalar ``scale``:
+    returns ``(q [M, K], qt [K, M] or None)``; ``amax`` (fp32 [1], optional) becomes
+    ``max(amax, max|x|)`` in place."""
+    x2 = _rows(x)
+    q = _fresh(_to_fp8_ref(x2, scale.reshape(()), dtype))
+    if amax is not None and x2.numel():
+        amax.copy_(torch.maximum(amax, x2.abs().amax().float().reshape(amax.shape)))
+    return q, (_fresh(q.t()) if transposed else None)
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """A new row-major copy of ``t`` (strides as the kernels' outputs, also for size-1 dims)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _tiles(x2: torch.Tensor) -> torch.Tensor:
+    """[M, K] zero-padded to multiples of 128, as [MB, 128, KB, 128] fp32."""
+    m, k = x2.shape
+    mp, kp = cdiv(m, BLOCK) * BLOCK, cdiv(k, BLOCK) * BLOCK
+    xp = torch.zeros(mp, kp, dtype=torch.float32, device=x2.device)
+    xp[:m, :k] = x2.float()
+    return xp.view(mp // BLOCK, BLOCK, kp // BLOCK, BLOCK)
+
+
+def cast_block_ref(x: torch.Tensor, square: bool, pow2: bool = False, transposed: bool = False,
+                   dtype: torch.dtype = torch.float8_e4m3fn):
+    """Blockwise cast of ``x`` [..., K] (as [M, K]): ``(q, scale_inv, qt, scale_inv_t)`` (the last
+    two None without ``transposed``) in the layouts of :func:`block_scale_buffers`."""
+    x2 = _rows(x)
+    m, k = x2.shape
+    fmax = _FMAX[dtype]
+    s, st = block_scale_buffers(m, k, square, x2.device, transposed)
+    if m == 0 or k == 0:
+        qt = torch.empty(k, m, dtype=dtype, device=x2.device) if transposed else None
+        return torch.empty(m, k, dtype=dtype, device=x2.device), s, qt, st
+    t = _tiles(x2)  # [MB, 128, KB, 128]
+    mb, kb = t.shape[0], t.shape[2]
+    if square:
+        scale = scale_from_amax_ref(t.abs().amax(dim=(1, 3)), fmax, pow2)  # [MB, KB]
+        q = _fresh(_to_fp8_ref(t, scale[:, None, :, None], dtype).reshape(mb * BLOCK, kb * BLOCK)[:m, :k])
+        inv = 1.0 / scale
+        s.copy_(inv)
+        qt = None
+        if transposed:
+            qt = _fresh(q.t())
+            st.copy_(inv.t())
+        return q, s, qt, st
+    scale = scale_from_amax_ref(t.abs().amax(dim=3), fmax, pow2)  # [MB, 128, KB] per row and k-block
+    q = _fresh(_to_fp8_ref(t, scale[..., None], dtype).reshape(mb * BLOCK, kb * BLOCK)[:m, :k])
+    s.copy_((1.0 / scale).reshape(mb * BLOCK, kb)[:m])
+    qt = None
+    if transposed:
+        scale_t = scale_from_amax_ref(t.abs().amax(dim=1), fmax, pow2)  # [MB, KB, 128] per column and m-block
+        qt = _fresh(_to_fp8_ref(t, scale_t[:, None], dtype).reshape(mb * BLOCK, kb * BLOCK)[:m, :k].t())
+        st.copy_((1.0 / scale_t).permute(1, 2, 0).reshape(kb * BLOCK, mb)[:k])
+    return q, s, qt, st
+
+
+# ---- launchers
+
+
+def _cast_tensor_launch(x2, scale, dtype, transposed, amax):
+    m, k = x2.shape
+    q = torch.empty(m, k, dtype=dtype, device=x2.device)
+    qt = torch.empty(k, m, dtype=dtype, device=x2.device) if transposed else None
+    if m and k:
+        bm, bn = 64, 64
+        _cast_tensor_kernel[(cdiv(m, bm), cdiv(k, bn))](
+            x2, scale, q, qt if qt is not None else q, amax if amax is not None else scale, m, k, x2.stride(0),
+            FMAX=_FMAX[dtype], HAS_T=transposed, HAS_AMAX=amax is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    return q, qt
+
+
+def _cast_block_launch(x2, square, pow2, transposed, dtype):
+    m, k = x2.shape
+    q = torch.empty(m, k, dtype=dtype, device=x2.device)
+    s, st = block_scale_buffers(m, k, square, x2.device, transposed)
+    qt = torch.empty(k, m, dtype=dtype, device=x2.device) if transposed else None
+    if m and k:
+        t_args = (qt, st) if transposed else (q, s)
+        _cast_block_kernel[(cdiv(m, BLOCK), cdiv(k, BLOCK))](
+            x2, q, s, *t_args, m, k, x2.stride(0), s.stride(0), s.stride(1), t_args[1].stride(0),
+            t_args[1].stride(1), FMAX=_FMAX[dtype], SQUARE=square, POW2=pow2, HAS_T=transposed, BLOCK=BLOCK,
+            num_warps=8)
+    return q, s, qt, st
+
+
+# ---- public API
+
+
+def _triton_ok(x: torch.Tensor) -> bool:
+    return HAS_TRITON and x.dtype in TRITON_DTYPES and use_triton(x)
+
+
+def cast_tensor(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False,
+                amax: Optional[torch.Tensor] = None):
+    """Per-tensor FP8 cast in one pass. Args: ``x`` [..., K] fp32/fp16/bf16 (any strides; seen as
+    [M, K]); ``scale`` fp32 one-element device tensor (read on the device: no host sync);
+    ``dtype`` ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``; ``transposed``: also write the
+    [K, M] copy in the same pass; ``amax`` fp32 [1] or None: raised in place to ``max|x|``.
+    Returns ``(q [M, K], qt [K, M] or None)``."""
+    if dtype not in _FMAX:
+        raise TypeError(f"cast_tensor: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    x2 = _rows(x)
+    if _triton_ok(x2):
+        return _cast_tensor_launch(x2, scale, dtype, transposed, amax)
+    return cast_tensor_ref(x2, scale, dtype, transposed, amax)
+
+
+def cast_block(x: torch.Tensor, square: bool, pow2: bool = False, transposed: bool = False,
+               dtype: torch.dtype = torch.float8_e4m3fn):
+    """Blockwise FP8 cast in one pass: ``square`` 128x128 blocks (weights) or 1x128 tiles along the
+    last dim (activations, gradients); ``transposed`` also writes the [K, M] copy (1x128 tiles
+    along M for the tile recipe). Returns ``(q, scale_inv, qt, scale_inv_t)``; layouts in the
+    module docstring."""
+    if dtype not in _FMAX:
+        raise TypeError(f"cast_block: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    x2 = _rows(x)
+    if _triton_ok(x2):
+        return _cast_block_launch(x2, square, pow2, transposed, dtype)
+    return cast_block_ref(x2, square, pow2, transposed, dtype)
+
+
+__all__ = ["BLOCK", "block_scale_buffers", "cast_block", "cast_block_ref", "cast_tensor", "cast_tensor_ref",
+           "scale_from_amax_ref", "tensor_amax"]

@@ -1,0 +1,18 @@
+"""FP8 training: recipes, :func:`autocast`, :class:`Float8Tensor` and :func:`quantize`.
+
+See the README's FP8 section. The recipes and ``autocast`` are also exported at the top level
+(``fusible_ops.autocast``, ``fusible_ops.Float8CurrentScaling``...).
+"""
+
+from .recipes import (
+    E4M3, E5M2, FP8_FORMATS, FP8_MAX, RECIPES, ROLES, Float8BlockScaling, Float8CurrentScaling, Float8DelayedScaling,
+    amax_reduction_group, autocast, current_recipe, fp8_dtype,
+)
+from .tensor import Float8Tensor, dequantize_2d
+from .quantize import FP8StateMixin, cached_weight, delayed_state, quantize, with_colwise
+
+__all__ = [
+    "E4M3", "E5M2", "FP8StateMixin", "FP8_FORMATS", "FP8_MAX", "Float8BlockScaling", "Float8CurrentScaling",
+    "Float8DelayedScaling", "Float8Tensor", "RECIPES", "ROLES", "amax_reduction_group", "autocast", "cached_weight",
+    "current_recipe", "delayed_state", "dequantize_2d", "fp8_dtype", "quantize", "with_colwise",
+]

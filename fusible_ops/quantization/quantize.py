@@ -1,0 +1,139 @@
+"""Quantizing a tensor under a recipe: :func:`quantize`, the delayed-scaling state, the weight cache.
+
+Delayed-scaling state lives on the module that owns the weight (the ``BasicLinear``, or the
+``Linear`` that lends it its weight) as two buffers: ``fp8_amax_history`` [history_len, 3] and
+``fp8_scale`` [3] (columns: input, weight, grad_output). They are created on first use, so a
+module that never ran delayed scaling has exactly ``torch.nn.Linear``'s state-dict keys; a
+checkpoint that holds them restores them (see :class:`FP8StateMixin`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..kernels.fp8_cast import cast_block, cast_tensor, scale_from_amax_ref, tensor_amax
+from .recipes import (FP8_MAX, ROLES, Float8BlockScaling, Float8CurrentScaling, Float8DelayedScaling,
+                      amax_reduction_group, fp8_dtype)
+from .tensor import Float8Tensor
+
+_ROLE_INDEX = {r: i for i, r in enumerate(ROLES)}
+_HISTORY, _SCALE = "fp8_amax_history", "fp8_scale"
+
+
+# ---- delayed-scaling state
+
+
+class FP8StateMixin:
+    """For modules that may own delayed-scaling buffers: a checkpoint that holds them creates them
+    on load (so ``load_state_dict`` restores the state exactly, also into a fresh module)."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in (_HISTORY, _SCALE):
+            t = state_dict.get(prefix + name)
+            if t is not None and getattr(self, name, None) is None:
+                self.register_buffer(name, torch.empty_like(t, device=_device_of(self)))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _device_of(module: torch.nn.Module):
+    for p in module.parameters(recurse=False):
+        return p.device
+    return None
+
+
+def delayed_state(owner: torch.nn.Module, recipe: Float8DelayedScaling, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(amax_history [L, 3], scale [3])`` of ``owner``, created (history 0, scale 1) on first use
+    or when the recipe's history length changes."""
+    hist = owner._buffers.get(_HISTORY)
+    if hist is None or hist.shape[0] != recipe.amax_history_len or hist.device != device:
+        hist = torch.zeros(recipe.amax_history_len, len(ROLES), dtype=torch.float32, device=device)
+        owner.register_buffer(_HISTORY, hist)
+        owner.register_buffer(_SCALE, torch.ones(len(ROLES), dtype=torch.float32, device=device))
+    return hist, owner._buffers[_SCALE]
+
+
+def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Update ``role``'s scale from its history, start a new history entry; return (scale [1],
+    the new entry [1] for the cast to raise to this tensor's amax). Device ops only."""
+    hist, scale = delayed_state(owner, recipe, device)
+    r = _ROLE_INDEX[role]
+    col = hist[:, r]
+    group = amax_reduction_group()
+    if group is not None:
+        torch.distributed.all_reduce(hist[0:1, r], op=torch.distributed.ReduceOp.MAX, group=group)
+    amax = col.amax() if recipe.amax_compute_algo == "max" else col[0]
+    fmax = FP8_MAX[fp8_dtype(recipe, role)] / (2.0 ** recipe.margin)
+    new = torch.where(amax > 0, scale_from_amax_ref(amax, fmax), scale[r])
+    scale[r : r + 1].copy_(new.reshape(1))
+    col.copy_(torch.roll(col, 1))
+    col[0:1].zero_()
+    return scale[r : r + 1], hist[0:1, r]
+
+
+# ---- quantize
+
+
+def quantize(x: torch.Tensor, recipe, role: str, *, transposed: bool = False,
+             owner: Optional[torch.nn.Module] = None) -> Float8Tensor:
+    """``x`` [..., K] as a :class:`Float8Tensor` under ``recipe`` for ``role`` (``"input"``,
+    ``"weight"``, ``"grad_output"``). ``transposed`` also makes the column-wise copy (in the same
+    pass). ``owner``: the module holding delayed-scaling state (needed for that recipe)."""
+    if role not in _ROLE_INDEX:
+        raise ValueError(f"quantize: role must be one of {ROLES}, got {role!r}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"quantize: x must be fp32/fp16/bf16, got {x.dtype}")
+    if isinstance(recipe, Float8BlockScaling):
+        q, s, qt, st = cast_block(x, square=(role == "weight"), pow2=recipe.power_of_two_scales,
+                                  transposed=transposed)
+        scaling = "128x128" if role == "weight" else "1x128"
+        return Float8Tensor(q, s, x.dtype, x.shape, scaling=scaling, data_t=qt, scale_inv_t=st, recipe=recipe)
+    dtype = fp8_dtype(recipe, role)
+    if isinstance(recipe, Float8CurrentScaling):
+        scale, amax_out = scale_from_amax_ref(tensor_amax(x), FP8_MAX[dtype]), None
+    elif isinstance(recipe, Float8DelayedScaling):
+        if owner is None:
+            raise ValueError("quantize: Float8DelayedScaling needs owner= (the module holding the amax history)")
+        scale, amax_out = _delayed_scale(owner, recipe, role, x.device)
+    else:
+        raise TypeError(f"quantize: unknown recipe {recipe!r}")
+    q, qt = cast_tensor(x, scale, dtype, transposed, amax_out)
+    inv = (1.0 / scale).reshape(())
+    return Float8Tensor(q, inv, x.dtype, x.shape, scaling="tensor", data_t=qt, scale_inv_t=inv if transposed else None,
+                        recipe=recipe)
+
+
+def with_colwise(t: Float8Tensor) -> Float8Tensor:
+    """``t`` with its column-wise form: a transpose of the FP8 bytes for per-tensor scaling; for
+    block scaling (whose transposed tiles need the high-precision values) a re-quantization of
+    the dequantized values."""
+    if t.colwise is not None:
+        return t
+    data, inv = t.rowwise
+    if t.scaling == "tensor":
+        return Float8Tensor(data, inv, t.dtype, t.shape, scaling="tensor", data_t=data.t().contiguous(),
+                            scale_inv_t=inv, recipe=t._recipe)
+    role = "weight" if t.scaling == "128x128" else "input"
+    return quantize(t.dequantize(), t._recipe, role, transposed=True)
+
+
+# ---- weight cache
+
+
+def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transposed: bool) -> Float8Tensor:
+    """The FP8 weight, quantized once per change of the weight: the cache on ``owner`` is keyed on
+    the parameter's identity, storage, version counter (bumped by every in-place update, e.g. an
+    optimizer step), the recipe and the forms needed. Counts casts in ``owner.fp8_weight_casts``."""
+    key = (id(weight), weight.data_ptr(), weight._version, recipe, transposed)
+    hit = owner.__dict__.get("_fp8_weight_cache")
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    with torch.no_grad():
+        wq = quantize(weight.detach(), recipe, "weight", transposed=transposed, owner=owner)
+    owner.__dict__["_fp8_weight_cache"] = (key, wq)
+    owner.__dict__["fp8_weight_casts"] = owner.__dict__.get("fp8_weight_casts", 0) + 1
+    return wq
+
+
+__all__ = ["FP8StateMixin", "cached_weight", "delayed_state", "quantize", "with_colwise"]

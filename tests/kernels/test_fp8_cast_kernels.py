@@ -1,0 +1,149 @@
+"""FP8 cast kernels (fusible_ops.kernels.fp8_cast): Triton and the ``*_ref`` twins agree bit for bit.
+
+Unmarked tests run Triton's interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1);
+``gpu`` tests compile the kernels on CUDA and compare with the same refs (torch's own fp8 casts).
+The refs themselves are checked against an independent float64 reading of the scales.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusible_ops import kernels
+from fusible_ops.kernels import fp8_cast as C
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _edge_values(dtype):
+    """Values around fp8 rounding boundaries: halfway points, subnormals, the max, signed zeros."""
+    fmax = C._FMAX[dtype]
+    grid = torch.arange(-128, 128, dtype=torch.int16).to(torch.uint8).view(dtype).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2  # exact halfway points: round to even
+    vals = torch.cat([grid, mids, mids * (1 + 2**-20), mids * (1 - 2**-20), torch.tensor([-0.0, 0.0, fmax * 1.5, -fmax * 3])])
+    return vals
+
+
+def _x(shape, dtype=torch.float32, device="cpu", outlier=True, noncontig=False):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g) * 3
+    if outlier and x.numel():
+        x.view(-1)[0] = 700.0
+    x = x.to(device=device, dtype=dtype)
+    if noncontig:
+        x = torch.cat([x, x], dim=-1)[..., : shape[-1]]
+        assert not x.is_contiguous()
+    return x
+
+
+def _check_tensor(x, dtype, transposed=True, use_amax=True):
+    scale = C.scale_from_amax_ref(C.tensor_amax(x), C._FMAX[dtype])
+    am_k = torch.zeros(1, device=x.device) if use_amax else None
+    am_r = torch.zeros(1, device=x.device) if use_amax else None
+    with kernels.use("triton"):
+        q1, qt1 = C.cast_tensor(x, scale, dtype, transposed, am_k)
+    q2, qt2 = C.cast_tensor_ref(x, scale, dtype, transposed, am_r)
+    assert q1.dtype == dtype and q1.shape == q2.shape
+    assert torch.equal(_bytes(q1), _bytes(q2))
+    if transposed:
+        assert torch.equal(_bytes(qt1), _bytes(qt2))
+        assert torch.equal(_bytes(qt1), _bytes(q1.t()))
+    if use_amax:
+        assert torch.equal(am_k, am_r)
+
+
+def _check_block(x, square, pow2, transposed=True):
+    with kernels.use("triton"):
+        got = C.cast_block(x, square, pow2, transposed)
+    want = C.cast_block_ref(x, square, pow2, transposed)
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+            continue
+        assert g.shape == w.shape and g.stride() == w.stride()
+        if w.dtype == torch.float32:
+            assert torch.equal(g, w)
+        else:
+            assert torch.equal(_bytes(g), _bytes(w))
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_edge_values_bit_exact(dtype):
+    x = _edge_values(dtype).reshape(1, -1)
+    one = torch.ones(1)
+    with kernels.use("triton"):
+        q1, _ = C.cast_tensor(x, one, dtype)
+    q2, _ = C.cast_tensor_ref(x, one, dtype)
+    assert torch.equal(_bytes(q1), _bytes(q2))
+    # and the ref is torch's round-to-nearest-even of the clamped value
+    fmax = C._FMAX[dtype]
+    assert torch.equal(_bytes(q2), _bytes(torch.clamp(x, -fmax, fmax).to(dtype)))
+
+
+@pytest.mark.parametrize("shape", [(5, 17), (130, 70), (3, 1), (0, 8)])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_cast_tensor_bit_exact(shape, dtype, xdtype):
+    _check_tensor(_x(shape, xdtype), dtype)
+
+
+def test_cast_tensor_noncontiguous_and_no_transpose():
+    _check_tensor(_x((9, 33), noncontig=True), E4M3, transposed=False, use_amax=False)
+
+
+@pytest.mark.parametrize("shape", [(5, 17), (130, 200), (128, 256), (1, 129)])
+@pytest.mark.parametrize("square", [False, True], ids=["1x128", "128x128"])
+@pytest.mark.parametrize("pow2", [False, True], ids=["exact", "pow2"])
+def test_cast_block_bit_exact(shape, square, pow2):
+    _check_block(_x(shape, torch.bfloat16), square, pow2)
+
+
+def test_cast_block_noncontiguous_zero_tiles_and_empty():
+    x = _x((40, 300), noncontig=True)
+    x[:, 128:256] = 0  # an all-zero tile: scale 1
+    _check_block(x, False, False)
+    _check_block(x, True, False, transposed=False)
+    _check_block(_x((0, 128)), False, False)
+
+
+def test_block_ref_scales_match_float64_reading():
+    x = _x((130, 200), torch.float32)
+    q, s, qt, st = C.cast_block_ref(x, square=False, transposed=True)
+    x64 = x.double()
+    for m, kb in [(0, 0), (129, 1), (7, 1)]:
+        amax = x64[m, kb * 128 : (kb + 1) * 128].abs().max()
+        assert s[m, kb].item() == pytest.approx((amax / 448.0).item(), rel=1e-6)
+    amax_col = x64[128:, 5].abs().max()
+    assert st[5, 1].item() == pytest.approx((amax_col / 448.0).item(), rel=1e-6)
+    deq = q.float() * s.repeat_interleave(128, 1)[:, :200]
+    assert (deq.double() - x64).abs().max() <= x64.abs().max() * 2**-4  # within e4m3's half-ulp
+
+
+def test_pow2_scales_are_powers_of_two():
+    _, s, _, _ = C.cast_block_ref(_x((64, 256)), square=False, pow2=True)
+    m, e = torch.frexp(s)
+    assert torch.all(m == 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_gpu_cast_tensor_bit_exact(dtype):
+    _check_tensor(_x((1000, 4100), torch.bfloat16, device="cuda"), dtype)
+    x = _edge_values(dtype).reshape(1, -1).cuda()
+    q1, _ = C.cast_tensor(x, torch.ones(1, device="cuda"), dtype)
+    q2, _ = C.cast_tensor_ref(x, torch.ones(1, device="cuda"), dtype)
+    assert torch.equal(_bytes(q1), _bytes(q2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("square", [False, True], ids=["1x128", "128x128"])
+@pytest.mark.parametrize("pow2", [False, True], ids=["exact", "pow2"])
+def test_gpu_cast_block_bit_exact(square, pow2):
+    _check_block(_x((1000, 4100), torch.bfloat16, device="cuda"), square, pow2)
