@@ -24,7 +24,7 @@ import torch
 
 from ..grad import deliver_weight_grad
 from ..kernels.fp8_gemm import fp8_gemm
-from ..quantization.quantize import cached_weight, quantize, with_colwise
+from ..quantization.casting import cached_weight, quantize, with_colwise
 from ..quantization.recipes import Float8BlockScaling
 from ..quantization.tensor import Float8Tensor
 

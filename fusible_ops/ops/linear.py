@@ -10,7 +10,7 @@ import torch
 from ..grad import WeightGradMixin, deliver_weight_grad
 from ..kernels.gemm import linear_dgrad, linear_fprop, linear_wgrad
 from ..op import BasicOperation, FusibleOperation
-from ..quantization.quantize import FP8StateMixin
+from ..quantization.casting import FP8StateMixin
 from ..quantization.recipes import current_recipe
 from ..quantization.tensor import Float8Tensor
 from .fp8_linear import fp8_backward, fp8_forward

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..op import BasicOperation
-from ..quantization.quantize import FP8StateMixin, quantize
+from ..quantization.casting import FP8StateMixin, quantize
 from ..quantization.recipes import current_recipe
 from ..quantization.tensor import Float8Tensor
 from .validation import check_input

@@ -9,7 +9,7 @@ from .recipes import (
     amax_reduction_group, autocast, current_recipe, fp8_dtype,
 )
 from .tensor import Float8Tensor, dequantize_2d
-from .quantize import FP8StateMixin, cached_weight, delayed_state, quantize, with_colwise
+from .casting import FP8StateMixin, cached_weight, delayed_state, quantize, with_colwise
 
 __all__ = [
     "E4M3", "E5M2", "FP8StateMixin", "FP8_FORMATS", "FP8_MAX", "Float8BlockScaling", "Float8CurrentScaling",

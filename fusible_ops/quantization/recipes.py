@@ -50,8 +50,11 @@ class Float8DelayedScaling:
     (``amax = max(history)`` for ``amax_compute_algo="max"``, or the latest entry for
     ``"most_recent"``; ``scale = fp8_max / amax / 2**margin``; an empty history gives scale 1),
     then records the tensor's own amax as the newest entry (the oldest falls out after
-    ``amax_history_len`` entries). Everything runs on the device: no host sync. The state is in
-    each op's ``state_dict()`` (``_extra_state``).
+    ``amax_history_len`` entries). Everything runs on the device: no host sync. Weights are cast
+    once per change of the weight (the weight cache), so their scale comes from their current
+    amax (recorded in the history too). The state is in the state dict of the module owning the
+    weight (buffers ``fp8_amax_history`` [history_len, 3] and ``fp8_scale`` [3]; columns input,
+    weight, grad_output).
     """
 
     amax_history_len: int = 1024

@@ -51,7 +51,7 @@ def quantized_reference(x: torch.Tensor, recipe, role: str = "input") -> torch.T
     """float64 values of ``x`` after quantizing under ``recipe`` for ``role``: feed these to a
     float64 reference to separate quantization error from the kernel's own error (a kernel
     computing on the same FP8 values should match this reference to fp32 accuracy)."""
-    from ..quantization.quantize import quantize
+    from ..quantization.casting import quantize
     from ..quantization.recipes import Float8DelayedScaling
 
     if isinstance(recipe, Float8DelayedScaling):

@@ -54,17 +54,27 @@ def delayed_state(owner: torch.nn.Module, recipe: Float8DelayedScaling, device) 
     return hist, owner._buffers[_SCALE]
 
 
-def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, x: torch.Tensor):
     """Update ``role``'s scale from its history, start a new history entry; return (scale [1],
-    the new entry [1] for the cast to raise to this tensor's amax). Device ops only."""
-    hist, scale = delayed_state(owner, recipe, device)
+    the new entry [1] for the cast to raise to this tensor's amax). Device ops only.
+
+    Weights are the exception: they are cast once per change (the weight cache), so a scale
+    from past casts would lag a whole optimizer step; their scale comes from their current amax
+    (still recorded in the history)."""
+    hist, scale = delayed_state(owner, recipe, x.device)
     r = _ROLE_INDEX[role]
     col = hist[:, r]
+    fmax = FP8_MAX[fp8_dtype(recipe, role)] / (2.0 ** recipe.margin)
+    if role == "weight":
+        amax = tensor_amax(x)
+        scale[r : r + 1].copy_(scale_from_amax_ref(amax, fmax))
+        col.copy_(torch.roll(col, 1))
+        col[0:1].copy_(amax)
+        return scale[r : r + 1], None
     group = amax_reduction_group()
     if group is not None:
         torch.distributed.all_reduce(hist[0:1, r], op=torch.distributed.ReduceOp.MAX, group=group)
     amax = col.amax() if recipe.amax_compute_algo == "max" else col[0]
-    fmax = FP8_MAX[fp8_dtype(recipe, role)] / (2.0 ** recipe.margin)
     new = torch.where(amax > 0, scale_from_amax_ref(amax, fmax), scale[r])
     scale[r : r + 1].copy_(new.reshape(1))
     col.copy_(torch.roll(col, 1))
@@ -95,7 +105,7 @@ def quantize(x: torch.Tensor, recipe, role: str, *, transposed: bool = False,
     elif isinstance(recipe, Float8DelayedScaling):
         if owner is None:
             raise ValueError("quantize: Float8DelayedScaling needs owner= (the module holding the amax history)")
-        scale, amax_out = _delayed_scale(owner, recipe, role, x.device)
+        scale, amax_out = _delayed_scale(owner, recipe, role, x)
     else:
         raise TypeError(f"quantize: unknown recipe {recipe!r}")
     q, qt = cast_tensor(x, scale, dtype, transposed, amax_out)

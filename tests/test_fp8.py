@@ -1,0 +1,332 @@
+"""FP8 training (issue 11): recipes, autocast, Quantize, Float8Tensor, FP8 dense linears.
+
+CPU runs every recipe as emulation (real FP8 casts and scales, the GEMM on dequantized values in
+fp32); ``gpu`` tests run torch._scaled_mm on Hopper and compare with the emulation. Accuracy is
+SQNR against float64 math (fusible_ops.testing.SQNR_DB).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusible_ops as fo
+from fusible_ops.kernels import fp8_gemm as G
+import fusible_ops.quantization.casting as Q
+from fusible_ops.testing import SQNR_DB, assert_sqnr, quantized_reference, sqnr
+
+RECIPES = [fo.Float8CurrentScaling(), fo.Float8DelayedScaling(amax_history_len=4), fo.Float8BlockScaling(),
+           fo.Float8CurrentScaling("e4m3")]
+IDS = ["current", "delayed", "block", "current-e4m3"]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _mlp(device="cpu", dtype=torch.float32, h=128, f=256, seed=0):
+    torch.manual_seed(seed)
+    return fo.Sequential(fo.Linear(h, f, device=device, dtype=dtype), fo.GELU(),
+                         fo.Linear(f, h, device=device, dtype=dtype))
+
+
+def _run(seq, x, dy, recipe, steps=1):
+    x = x.detach().clone().requires_grad_()
+    for _ in range(steps):
+        with fo.autocast(recipe=recipe):
+            y = seq(x)
+        y.backward(dy)
+    return y, x.grad
+
+
+def _float64_reference(seq, x, dy):
+    ref = _mlp(dtype=torch.float64, h=seq[0].in_features, f=seq[0].out_features)
+    ref.load_state_dict({k: v.double().cpu() for k, v in seq.state_dict().items()})
+    x64 = x.detach().double().cpu().requires_grad_()
+    y = ref(x64)
+    y.backward(dy.double().cpu())
+    return y, x64.grad, ref
+
+
+# ---- recipes and autocast
+
+
+def test_recipes_are_frozen_and_validated():
+    r = fo.Float8DelayedScaling()
+    assert (r.amax_history_len, r.amax_compute_algo, r.margin, r.fp8_format) == (1024, "max", 0, "hybrid")
+    with pytest.raises(Exception):
+        r.margin = 1
+    with pytest.raises(ValueError, match="fp8_format"):
+        fo.Float8CurrentScaling(fp8_format="e5m2")
+    with pytest.raises(ValueError, match="amax_compute_algo"):
+        fo.Float8DelayedScaling(amax_compute_algo="mean")
+    assert fo.Float8BlockScaling(power_of_two_scales=True).power_of_two_scales
+    assert fo.quantization.fp8_dtype(fo.Float8CurrentScaling(), "grad_output") == torch.float8_e5m2
+    assert fo.quantization.fp8_dtype(fo.Float8CurrentScaling("e4m3"), "grad_output") == torch.float8_e4m3fn
+
+
+def test_autocast_nesting_and_bad_recipe():
+    cur = fo.quantization.current_recipe
+    a, b = fo.Float8CurrentScaling(), fo.Float8BlockScaling()
+    assert cur() is None
+    with fo.autocast(recipe=a):
+        assert cur() is a
+        with fo.autocast(recipe=b):
+            assert cur() is b
+            with fo.autocast(recipe=None):
+                assert cur() is None
+            assert cur() is b
+        assert cur() is a
+    assert cur() is None
+    with pytest.raises(TypeError, match="recipe must be None or an instance"):
+        with fo.autocast(recipe="fp8"):
+            pass
+
+
+def test_recipe_is_part_of_the_plan_key():
+    seq = _mlp()
+    x = torch.randn(32, 128)
+    fuser = seq._fusers()[0] if hasattr(seq, "_fusers") else None
+    seq(x)
+    with fo.autocast(recipe=RECIPES[0]):
+        seq(x)
+        seq(x)
+    seq(x)
+    made = [f.num_plans_made for f in _fusers(seq)]
+    assert made == [2], made  # one plan without FP8, one with: no replanning per call
+    assert "linear_bias_activation" in [g["rule"] for g in seq.fusion_plan()]
+    del fuser
+
+
+def _fusers(seq):
+    return [m for m in seq.__dict__.values() if isinstance(m, fo.OperationFuser)] or \
+        [f for f in getattr(seq, "_stage_cache", ()) if isinstance(f, fo.OperationFuser)] or \
+        [s for s, _ in seq._get_stages() if isinstance(s, fo.OperationFuser)]
+
+
+# ---- accuracy (CPU emulation; the same thresholds on the GPU)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_mlp_sqnr(recipe):
+    seq = _mlp()
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(256, 128, generator=g), torch.randn(256, 128, generator=g)
+    steps = 2 if isinstance(recipe, fo.Float8DelayedScaling) else 1  # the second step uses the history
+    y, dx = _run(seq, x, dy, recipe, steps=steps)
+    y64, dx64, ref = _float64_reference(seq, x, dy)
+    fmt = recipe.fp8_format
+    assert_sqnr(y, y64, SQNR_DB["output", fmt], msg="y")
+    assert_sqnr(dx, steps * dx64, SQNR_DB["grad", fmt], msg="dx")  # gradients of the steps accumulate
+    for i in (0, 2):
+        assert_sqnr(seq[i].weight.grad, steps * ref[i].weight.grad, SQNR_DB["grad", fmt], msg=f"dw{i}")
+
+
+def test_block_scaling_beats_per_tensor_on_outliers():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(256, 512, generator=g)
+    rows = torch.arange(0, 256, 32)
+    x[rows, torch.randint(0, 512, (len(rows),), generator=g)] = 1e5  # a few large outliers
+    w = torch.randn(128, 512, generator=g) / 16
+    ref = x.double() @ w.double().t()
+    worst = {}  # (worst row, median row) SQNR
+    for name, recipe in [("tensor", fo.Float8CurrentScaling("e4m3")), ("block", fo.Float8BlockScaling())]:
+        xq = Q.quantize(x, recipe, "input")
+        wq = Q.quantize(w, recipe, "weight")
+        y = G.fp8_gemm(xq.rowwise, wq.rowwise, xq.scaling, wq.scaling, torch.float32)
+        per_row = torch.tensor([sqnr(y[i], ref[i]) for i in range(256)])
+        worst[name] = (per_row.min().item(), per_row.median().item())
+    assert worst["block"][0] >= worst["tensor"][0] - 0.5, worst  # the outlier rows: no worse
+    assert worst["block"][1] >= SQNR_DB["output", "e4m3"], worst
+    assert worst["block"][1] > worst["tensor"][1] + 6, worst  # the other rows: clearly better
+
+
+def test_quantized_reference_separates_quantization_error():
+    recipe = fo.Float8CurrentScaling()
+    x, w = torch.randn(64, 128), torch.randn(32, 128)
+    xq, wq = Q.quantize(x, recipe, "input"), Q.quantize(w, recipe, "weight")
+    y = G.fp8_gemm(xq.rowwise, wq.rowwise, "tensor", "tensor", torch.float32)
+    ref = quantized_reference(x, recipe) @ quantized_reference(w, recipe, "weight").t()
+    assert sqnr(y, ref) > 100  # the same FP8 values: only fp32 rounding left
+
+
+# ---- Quantize and Float8Tensor
+
+
+def test_quantize_op_identity_outside_autocast():
+    op = fo.Quantize()
+    x = torch.randn(8, 32, requires_grad=True)
+    y = op(x)
+    assert type(y) is torch.Tensor and torch.equal(y, x)
+
+
+def test_quantize_output_is_float8_tensor_that_dequantizes():
+    seq = fo.Sequential(fo.Linear(64, 64), fo.Quantize())
+    x = torch.randn(32, 64, requires_grad=True)
+    with fo.autocast(recipe=fo.Float8CurrentScaling()):
+        y = seq(x)
+    assert isinstance(y, fo.Float8Tensor) and y.dtype == torch.float32 and y.shape == (32, 64)
+    z = y * 2 + 1  # any torch op sees the dequantized values
+    assert type(z) is torch.Tensor
+    assert torch.equal(z, y.dequantize() * 2 + 1)
+    z.sum().backward()
+    assert x.grad is not None and seq[0].weight.grad is not None
+
+
+def test_next_sequential_consumes_quantized_input_without_recasting(monkeypatch):
+    recipe = fo.Float8CurrentScaling()
+    first = fo.Sequential(fo.Linear(64, 64), fo.Quantize())
+    second = fo.Sequential(fo.Linear(64, 32))
+    x = torch.randn(32, 64, requires_grad=True)
+    roles = []
+    real = Q.quantize
+
+    def spy(t, r, role, **kw):
+        roles.append(role)
+        return real(t, r, role, **kw)
+
+    import fusible_ops.ops.fp8_linear as FL
+    import fusible_ops.ops.quantize as QO
+    monkeypatch.setattr(FL, "quantize", spy)
+    monkeypatch.setattr(QO, "quantize", spy)
+    with fo.autocast(recipe=recipe):
+        h = first(x)
+        roles.clear()
+        out = second(h)
+    assert roles == []  # the second linear used the Float8Tensor's data as it is
+    expected = G.fp8_gemm(h.rowwise, Q.quantize(second[0].weight.detach(), recipe, "weight").rowwise, "tensor",
+                          "tensor", torch.float32) + second[0].bias
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape and type(x.grad) is torch.Tensor
+
+
+# ---- weight cache, delayed-scaling state
+
+
+def test_weight_cache_one_cast_per_optimizer_step():
+    seq = _mlp()
+    opt = torch.optim.SGD(seq.parameters(), lr=0.01)
+    x = torch.randn(64, 128)
+    recipe = fo.Float8CurrentScaling()
+    for step in range(3):
+        for _ in range(4):  # micro-batches
+            with fo.autocast(recipe=recipe):
+                seq(x).sum().backward()
+        assert seq[0].fp8_weight_casts == step + 1 and seq[2].fp8_weight_casts == step + 1
+        opt.step()
+        opt.zero_grad()
+
+
+def test_delayed_state_dict_round_trip():
+    recipe = fo.Float8DelayedScaling(amax_history_len=8)
+    seq = _mlp()
+    x = torch.randn(64, 128)
+    for _ in range(3):
+        with fo.autocast(recipe=recipe):
+            seq(x).sum().backward()
+    sd = seq.state_dict()
+    assert "0.fp8_amax_history" in sd and sd["0.fp8_amax_history"].shape == (8, 3)
+    assert (sd["0.fp8_amax_history"][:3, :] > 0).any()
+    fresh = _mlp(seed=5)
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh[0].fp8_amax_history, seq[0].fp8_amax_history)
+    assert torch.equal(fresh[0].fp8_scale, seq[0].fp8_scale)
+    with fo.autocast(recipe=recipe):
+        a, b = seq(x), fresh(x)
+    assert torch.equal(a, b)
+    # a torch.nn.Linear checkpoint (no FP8 state) still loads into a fresh Linear
+    lin = fo.Linear(128, 256)
+    lin.load_state_dict(torch.nn.Linear(128, 256).state_dict())
+
+
+# ---- gradient contract under FP8
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:3], ids=IDS[:3])
+def test_main_grad_and_delayed_wgrad(recipe):
+    seq = _mlp()
+    plain = _mlp()
+    g = torch.Generator().manual_seed(3)
+    x, dy = torch.randn(64, 128, generator=g), torch.randn(64, 128, generator=g)
+    lin = seq[0]
+    lin.accumulate_into_main_grad = True
+    lin.delay_wgrad_compute = True
+    lin.weight.main_grad = torch.zeros(256, 128)
+    x, dy = torch.cat([x, x]), torch.cat([dy, dy])  # 128 tokens: the block recipe's wgrad needs it
+    _run(seq, x, dy, recipe)
+    assert lin.weight.grad is None and torch.count_nonzero(lin.weight.main_grad) == 0  # delayed
+    seq.backward_dw()
+    _run(plain, x, dy, recipe)
+    torch.testing.assert_close(lin.weight.main_grad, plain[0].weight.grad, rtol=0, atol=1e-6)
+
+
+def test_frozen_weight_keeps_no_input_copy():
+    seq = fo.Sequential(fo.Linear(128, 128))
+    seq[0].weight.requires_grad_(False)
+    x = torch.randn(64, 128, requires_grad=True)
+    seen = []
+    real = Q.quantize
+
+    def spy(t, r, role, transposed=False, **kw):
+        seen.append((role, transposed))
+        return real(t, r, role, transposed=transposed, **kw)
+
+    import fusible_ops.ops.fp8_linear as FL
+    FL.quantize, saved = spy, FL.quantize
+    try:
+        with fo.autocast(recipe=fo.Float8CurrentScaling()):
+            seq(x).sum().backward()
+    finally:
+        FL.quantize = saved
+    assert ("input", False) in seen and ("grad_output", False) in seen  # no transposed copies
+    assert seq[0].weight.grad is None and x.grad is not None
+
+
+# ---- bad input
+
+
+def test_dims_not_divisible_raise_clearly():
+    seq = fo.Sequential(fo.Linear(100, 64))
+    with pytest.raises(ValueError, match="divisible by 16"):
+        with fo.autocast(recipe=fo.Float8CurrentScaling()):
+            seq(torch.randn(32, 100))
+    with pytest.raises(ValueError, match="divisible by 128"):
+        with fo.autocast(recipe=fo.Float8BlockScaling()):
+            fo.Sequential(fo.Linear(64, 64))(torch.randn(128, 64))
+
+
+# ---- GPU: torch._scaled_mm against the emulation
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_gpu_fp8_mlp_matches_emulation_and_sqnr(recipe):
+    if not G.fp8_capable(torch.device("cuda")):
+        pytest.skip("needs FP8 tensor cores")
+    seq = _mlp("cuda", torch.bfloat16, h=512, f=1024)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1024, 512, generator=g).to("cuda", torch.bfloat16)
+    dy = torch.randn(1024, 512, generator=g).to("cuda", torch.bfloat16)
+    y, dx = _run(seq, x, dy, recipe)
+    y64, dx64, ref = _float64_reference(seq, x.float(), dy.float())
+    fmt = recipe.fp8_format
+    assert_sqnr(y, y64, SQNR_DB["output", fmt], msg="y")
+    assert_sqnr(dx, dx64, SQNR_DB["grad", fmt], msg="dx")
+    assert_sqnr(seq[0].weight.grad, ref[0].weight.grad, SQNR_DB["grad", fmt], msg="dw0")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scaling", ["tensor", "block"])
+def test_gpu_scaled_mm_equals_emulation(scaling):
+    if not G.fp8_capable(torch.device("cuda")):
+        pytest.skip("needs FP8 tensor cores")
+    recipe = fo.Float8CurrentScaling() if scaling == "tensor" else fo.Float8BlockScaling()
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(768, 1024, device="cuda", dtype=torch.bfloat16)
+    xq = Q.quantize(x, recipe, "input", transposed=True)
+    wq = Q.quantize(w, recipe, "weight", transposed=True)
+    dy = Q.quantize(torch.randn(512, 768, device="cuda", dtype=torch.bfloat16), recipe, "grad_output", transposed=True)
+    for a, b, sa, sb in [(xq.rowwise, wq.rowwise, xq.scaling, wq.scaling),
+                         (dy.rowwise, wq.colwise, dy.scaling, wq.scaling),
+                         (dy.colwise, xq.colwise, dy.scaling, xq.scaling)]:
+        got = G.fp8_gemm(a, b, sa, sb, torch.float32)
+        want = G.fp8_gemm_ref(a, b, sa, sb, torch.float32)
+        assert sqnr(got, want) > 60
