@@ -314,16 +314,17 @@ def test_gpu_fp8_mlp_matches_emulation_and_sqnr(recipe):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [768, 1024])  # 768: a 128x128-scaled reduction dim that is not a multiple of 512
 @pytest.mark.parametrize("scaling", ["tensor", "block"])
-def test_gpu_scaled_mm_equals_emulation(scaling):
+def test_gpu_scaled_mm_equals_emulation(scaling, n):
     if not G.fp8_capable(torch.device("cuda")):
         pytest.skip("needs FP8 tensor cores")
     recipe = fo.Float8CurrentScaling() if scaling == "tensor" else fo.Float8BlockScaling()
     x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(768, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, 1024, device="cuda", dtype=torch.bfloat16)
     xq = Q.quantize(x, recipe, "input", transposed=True)
     wq = Q.quantize(w, recipe, "weight", transposed=True)
-    dy = Q.quantize(torch.randn(512, 768, device="cuda", dtype=torch.bfloat16), recipe, "grad_output", transposed=True)
+    dy = Q.quantize(torch.randn(512, n, device="cuda", dtype=torch.bfloat16), recipe, "grad_output", transposed=True)
     for a, b, sa, sb in [(xq.rowwise, wq.rowwise, xq.scaling, wq.scaling),
                          (dy.rowwise, wq.colwise, dy.scaling, wq.scaling),
                          (dy.colwise, xq.colwise, dy.scaling, xq.scaling)]:

@@ -9,7 +9,8 @@ in the layout :mod:`.fp8_cast` writes (per tensor, 1x128 along K, or 128x128). T
 
 On CUDA devices with FP8 tensor cores (compute capability 8.9 and newer) this is
 ``torch._scaled_mm`` (cuBLASLt: per-tensor scales, and 1x128 / 128x128 block scales on Hopper).
-Elsewhere (CPU) it is the emulation :func:`fp8_gemm_ref`: dequantize both operands to fp32,
+Elsewhere (CPU), and on CUDA for 128x128-scaled operands whose reduction dim is not a multiple of
+512 (see :func:`cublas_layout_ok`), it is the emulation :func:`fp8_gemm_ref`: dequantize both operands to fp32,
 multiply in fp32, cast the result. The emulation is also the reference the tests compare with.
 """
 
@@ -35,6 +36,14 @@ def fp8_capable(device: torch.device) -> bool:
     return ok
 
 
+def cublas_layout_ok(operand, scaling: str) -> bool:
+    """Whether cuBLASLt reads this operand's scales as laid out. 128x128 block scales need a
+    reduction dim that is a multiple of 512 (4 blocks): with fewer, cuBLAS reads a padded row
+    stride that torch 2.11's ``_scaled_mm`` does not check for (measured on an H200: wrong
+    results, no error). Such GEMMs take the emulation instead (correct, slower)."""
+    return scaling != "128x128" or operand[1].shape[1] % 4 == 0
+
+
 def fp8_gemm_ref(a, b, scaling_a: str, scaling_b: str, out_dtype: torch.dtype) -> torch.Tensor:
     """Emulation: ``(dequant(a) @ dequant(b).T)`` in fp32, cast to ``out_dtype``."""
     return (dequantize_2d(*a, scaling_a) @ dequantize_2d(*b, scaling_b).t()).to(out_dtype)
@@ -45,12 +54,11 @@ def fp8_gemm(a, b, scaling_a: str, scaling_b: str, out_dtype: torch.dtype,
     """``a @ b.T`` ([M, K] x [N, K] -> [M, N]) in ``out_dtype``; with ``out`` the result is written
     (or, ``accumulate``, added) into it and ``out`` returned."""
     a_data, b_data = a[0], b[0]
-    if a_data.is_cuda:
-        if not fp8_capable(a_data.device):
-            raise RuntimeError("FP8 GEMM needs a GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper)")
-        sa = a[1] if scaling_a == "tensor" else a[1]
+    if a_data.is_cuda and not fp8_capable(a_data.device):
+        raise RuntimeError("FP8 GEMM needs a GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper)")
+    if a_data.is_cuda and cublas_layout_ok(a, scaling_a) and cublas_layout_ok(b, scaling_b):
         sb = b[1] if scaling_b == "tensor" else b[1].t()
-        r = torch._scaled_mm(a_data, b_data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        r = torch._scaled_mm(a_data, b_data.t(), scale_a=a[1], scale_b=sb, out_dtype=out_dtype)
     else:
         r = fp8_gemm_ref(a, b, scaling_a, scaling_b, out_dtype)
     if out is None:
@@ -60,4 +68,4 @@ def fp8_gemm(a, b, scaling_a: str, scaling_b: str, out_dtype: torch.dtype,
     return out.copy_(r)
 
 
-__all__ = ["fp8_capable", "fp8_gemm", "fp8_gemm_ref"]
+__all__ = ["cublas_layout_ok", "fp8_capable", "fp8_gemm", "fp8_gemm_ref"]
