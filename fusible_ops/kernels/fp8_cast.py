@@ -266,8 +266,13 @@ def _cast_block_launch(x2, square, pow2, transposed, dtype):
 # ---- public API
 
 
-def _triton_ok(x: torch.Tensor) -> bool:
-    return HAS_TRITON and x.dtype in TRITON_DTYPES and use_triton(x)
+def _dispatch(name, dtype, x, launch, ref, *args):
+    """Check the FP8 dtype, view ``x`` as rows, run the launcher (Triton) or the ref."""
+    if dtype not in _FMAX:
+        raise TypeError(f"{name}: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    x2 = _rows(x)
+    triton_ok = HAS_TRITON and x2.dtype in TRITON_DTYPES and use_triton(x2)
+    return (launch if triton_ok else ref)(x2, *args)
 
 
 def cast_tensor(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False,
@@ -277,12 +282,7 @@ def cast_tensor(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transp
     ``dtype`` ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``; ``transposed``: also write the
     [K, M] copy in the same pass; ``amax`` fp32 [1] or None: raised in place to ``max|x|``.
     Returns ``(q [M, K], qt [K, M] or None)``."""
-    if dtype not in _FMAX:
-        raise TypeError(f"cast_tensor: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
-    x2 = _rows(x)
-    if _triton_ok(x2):
-        return _cast_tensor_launch(x2, scale, dtype, transposed, amax)
-    return cast_tensor_ref(x2, scale, dtype, transposed, amax)
+    return _dispatch("cast_tensor", dtype, x, _cast_tensor_launch, cast_tensor_ref, scale, dtype, transposed, amax)
 
 
 def cast_block(x: torch.Tensor, square: bool, pow2: bool = False, transposed: bool = False,
@@ -291,12 +291,7 @@ def cast_block(x: torch.Tensor, square: bool, pow2: bool = False, transposed: bo
     last dim (activations, gradients); ``transposed`` also writes the [K, M] copy (1x128 tiles
     along M for the tile recipe). Returns ``(q, scale_inv, qt, scale_inv_t)``; layouts in the
     module docstring."""
-    if dtype not in _FMAX:
-        raise TypeError(f"cast_block: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
-    x2 = _rows(x)
-    if _triton_ok(x2):
-        return _cast_block_launch(x2, square, pow2, transposed, dtype)
-    return cast_block_ref(x2, square, pow2, transposed, dtype)
+    return _dispatch("cast_block", dtype, x, _cast_block_launch, cast_block_ref, square, pow2, transposed, dtype)
 
 
 __all__ = ["BLOCK", "block_scale_buffers", "cast_block", "cast_block_ref", "cast_tensor", "cast_tensor_ref",
