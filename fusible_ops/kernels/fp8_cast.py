@@ -29,6 +29,12 @@ from .launch import TRITON_DTYPES, cdiv
 
 FP32_MAX = torch.finfo(torch.float32).max
 BLOCK = 128  # the block recipe's tile edge
+# Launch configs (scripts/fp8_cast_sweep.py measures them): per-tensor cast, by ``transposed``:
+# (BLOCK_M, BLOCK_N, num_warps); block cast, by (square, transposed): (rows per program, num_warps,
+# column chunk of the two-pass variants), rows 128 whenever a scale spans 128 rows.
+TENSOR_CFG = {False: (32, 256, 4), True: (64, 128, 4)}
+BLOCK_CFG = {(False, False): (64, 16, 128), (False, True): (128, 8, 32), (True, False): (128, 8, 32),
+             (True, True): (128, 8, 32)}
 _FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 if HAS_TRITON:
@@ -87,43 +93,68 @@ if HAS_TRITON:
             tl.atomic_max(AMAX, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
     @triton.jit
+    def _inv(scale):
+        return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+    @triton.jit
+    def _load_chunk(X, rows, r64, bn, c, M, N, stride_x, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+        # fp32 x[rows, bn*BLOCK + c*CHUNK + (0..CHUNK)], 0 outside; also (cols, c64, mask)
+        cols = bn * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
+        c64 = cols.to(tl.int64)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        x = tl.load(X + r64[:, None] * stride_x + c64[None, :], mask=mask, other=0.0).to(tl.float32)
+        return x, cols, c64, mask
+
+    @triton.jit
     def _cast_block_kernel(
         X, Q, S, QT, ST,  # X [M, N]; Q [M, N]; S scale_inv; QT [N, M]; ST its scale_inv
         M, N, stride_x, stride_s0, stride_s1, stride_st0, stride_st1,
         FMAX: tl.constexpr, SQUARE: tl.constexpr, POW2: tl.constexpr, HAS_T: tl.constexpr,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
     ):
-        # One [BLOCK, BLOCK] tile per program. SQUARE: one scale for the tile (128x128 blocks);
-        # else one scale per row of the tile (1x128), and for QT one per column (1x128 along M).
+        # Program (bm, bn) owns rows bm*BLOCK_M.. and columns bn*BLOCK.. (BLOCK_M == BLOCK whenever a
+        # scale spans 128 rows: SQUARE or HAS_T). SQUARE: one scale for the tile (128x128 blocks);
+        # else one scale per row (1x128), and for QT one per column (1x128 along M). Tiles that need
+        # a whole-tile amax first are walked in [BLOCK_M, CHUNK] column chunks twice (amaxes, then
+        # casts; the second read hits L1/L2), which keeps few values live per thread.
         bm = tl.program_id(0)
         bn = tl.program_id(1)
-        rows = bm * BLOCK + tl.arange(0, BLOCK)
-        cols = bn * BLOCK + tl.arange(0, BLOCK)
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        rows = bm * BLOCK_M + tl.arange(0, BLOCK_M)
         r64 = rows.to(tl.int64)
-        c64 = cols.to(tl.int64)
-        x = tl.load(X + r64[:, None] * stride_x + c64[None, :], mask=mask, other=0.0).to(tl.float32)
-        ax = tl.abs(x)
-        if SQUARE:
-            scale = _scale_of(tl.max(tl.max(ax, axis=1), axis=0), FMAX, POW2)
-            q = _to_fp8(x, scale, FMAX, Q.dtype.element_ty)
-            inv = tl.math.div_rn(1.0, scale)
-            tl.store(S + bm * stride_s0 + bn * stride_s1, inv)
-            if HAS_T:
-                tl.store(QT + c64[:, None] * M + r64[None, :], tl.trans(q), mask=tl.trans(mask))
-                tl.store(ST + bn * stride_st0 + bm * stride_st1, inv)
+        NCH: tl.constexpr = BLOCK // CHUNK
+        if not SQUARE and not HAS_T:  # rows only: one pass over a [BLOCK_M, BLOCK] tile
+            x, cols, c64, mask = _load_chunk(X, rows, r64, bn, 0, M, N, stride_x, BLOCK, BLOCK)
+            scale = _scale_of(tl.max(tl.abs(x), axis=1), FMAX, POW2)
+            tl.store(Q + r64[:, None] * N + c64[None, :], _to_fp8(x, scale[:, None], FMAX, Q.dtype.element_ty),
+                     mask=mask)
+            tl.store(S + r64 * stride_s0 + bn * stride_s1, _inv(scale), mask=rows < M)
         else:
-            scale = _scale_of(tl.max(ax, axis=1), FMAX, POW2)  # [BLOCK] per row
-            q = _to_fp8(x, scale[:, None], FMAX, Q.dtype.element_ty)
-            tl.store(S + r64 * stride_s0 + bn * stride_s1, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale),
-                     mask=rows < M)
-            if HAS_T:
-                scale_t = _scale_of(tl.max(ax, axis=0), FMAX, POW2)  # [BLOCK] per column
-                qt = _to_fp8(x, scale_t[None, :], FMAX, QT.dtype.element_ty)
-                tl.store(QT + c64[:, None] * M + r64[None, :], tl.trans(qt), mask=tl.trans(mask))
-                tl.store(ST + c64 * stride_st0 + bm * stride_st1,
-                         tl.math.div_rn(tl.full(scale_t.shape, 1.0, tl.float32), scale_t), mask=cols < N)
-        tl.store(Q + r64[:, None] * N + c64[None, :], q, mask=mask)
+            amax = tl.zeros([BLOCK_M], dtype=tl.float32)  # per row (or, reduced, the tile's)
+            for c in tl.static_range(NCH):
+                x, cols, c64, mask = _load_chunk(X, rows, r64, bn, c, M, N, stride_x, BLOCK, CHUNK)
+                ax = tl.abs(x)
+                amax = tl.maximum(amax, tl.max(ax, axis=1))
+                if not SQUARE:  # the column-wise copy: each column's scale is complete in its chunk
+                    scale_t = _scale_of(tl.max(ax, axis=0), FMAX, POW2)
+                    qt = _to_fp8(x, scale_t[None, :], FMAX, QT.dtype.element_ty)
+                    tl.store(QT + c64[:, None] * M + r64[None, :], tl.trans(qt), mask=tl.trans(mask))
+                    tl.store(ST + c64 * stride_st0 + bm * stride_st1, _inv(scale_t), mask=cols < N)
+            if SQUARE:
+                scale = _scale_of(tl.max(amax, axis=0), FMAX, POW2)
+                inv = tl.math.div_rn(1.0, scale)
+                tl.store(S + bm * stride_s0 + bn * stride_s1, inv)
+                if HAS_T:
+                    tl.store(ST + bn * stride_st0 + bm * stride_st1, inv)
+            else:
+                scale = _scale_of(amax, FMAX, POW2)
+                tl.store(S + r64 * stride_s0 + bn * stride_s1, _inv(scale), mask=rows < M)
+                scale = scale[:, None]
+            for c in tl.static_range(NCH):
+                x, cols, c64, mask = _load_chunk(X, rows, r64, bn, c, M, N, stride_x, BLOCK, CHUNK)
+                q = _to_fp8(x, scale, FMAX, Q.dtype.element_ty)
+                tl.store(Q + r64[:, None] * N + c64[None, :], q, mask=mask)
+                if SQUARE and HAS_T:
+                    tl.store(QT + c64[:, None] * M + r64[None, :], tl.trans(q), mask=tl.trans(mask))
 
 
 # ---- shared pieces of launchers and refs
@@ -242,10 +273,11 @@ def _cast_tensor_launch(x2, scale, dtype, transposed, amax):
     q = torch.empty(m, k, dtype=dtype, device=x2.device)
     qt = torch.empty(k, m, dtype=dtype, device=x2.device) if transposed else None
     if m and k:
-        bm, bn = 64, 64
+        bm, bn, warps = TENSOR_CFG[transposed]
         _cast_tensor_kernel[(cdiv(m, bm), cdiv(k, bn))](
             x2, scale, q, qt if qt is not None else q, amax if amax is not None else scale, m, k, x2.stride(0),
-            FMAX=_FMAX[dtype], HAS_T=transposed, HAS_AMAX=amax is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+            FMAX=_FMAX[dtype], HAS_T=transposed, HAS_AMAX=amax is not None, BLOCK_M=bm, BLOCK_N=bn,
+            num_warps=warps)
     return q, qt
 
 
@@ -256,10 +288,11 @@ def _cast_block_launch(x2, square, pow2, transposed, dtype):
     qt = torch.empty(k, m, dtype=dtype, device=x2.device) if transposed else None
     if m and k:
         t_args = (qt, st) if transposed else (q, s)
-        _cast_block_kernel[(cdiv(m, BLOCK), cdiv(k, BLOCK))](
+        bm, warps, chunk = BLOCK_CFG[square, transposed]
+        _cast_block_kernel[(cdiv(m, bm), cdiv(k, BLOCK))](
             x2, q, s, *t_args, m, k, x2.stride(0), s.stride(0), s.stride(1), t_args[1].stride(0),
             t_args[1].stride(1), FMAX=_FMAX[dtype], SQUARE=square, POW2=pow2, HAS_T=transposed, BLOCK=BLOCK,
-            num_warps=8)
+            BLOCK_M=bm, CHUNK=chunk, num_warps=warps)
     return q, s, qt, st
 
 
