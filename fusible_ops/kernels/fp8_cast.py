@@ -7,7 +7,8 @@ Triton kernels and the refs agree bit for bit on the FP8 bytes and the scales (t
 both compute ``scale = fp8_max / amax`` (1 when amax is 0, capped at fp32's max) with one
 correctly rounded fp32 division, ``scale_inv = 1 / scale`` likewise, power-of-two scales by
 clearing the mantissa bits, and ``q = fp8(clamp(x * scale, -fp8_max, fp8_max))`` (round to
-nearest even).
+nearest even: the GPU's conversion instruction; under the interpreter an exact fp32 rounding
+first, see ``_to_fp8``).
 
 Scale layouts are the ones ``torch._scaled_mm`` reads on Hopper:
 
@@ -24,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from . import HAS_TRITON, use_triton
+from . import HAS_TRITON, interpreter_enabled, use_triton
 from .launch import TRITON_DTYPES, cdiv
 
 FP32_MAX = torch.finfo(torch.float32).max
@@ -32,9 +33,9 @@ BLOCK = 128  # the block recipe's tile edge
 # Launch configs (scripts/fp8_cast_sweep.py measures them): per-tensor cast, by ``transposed``:
 # (BLOCK_M, BLOCK_N, num_warps); block cast, by (square, transposed): (rows per program, num_warps,
 # column chunk of the two-pass variants), rows 128 whenever a scale spans 128 rows.
-TENSOR_CFG = {False: (32, 256, 4), True: (64, 128, 4)}
-BLOCK_CFG = {(False, False): (64, 16, 128), (False, True): (128, 8, 32), (True, False): (128, 8, 32),
-             (True, True): (128, 8, 32)}
+TENSOR_CFG = {False: (64, 128, 8), True: (64, 128, 4)}
+BLOCK_CFG = {(False, False): (64, 8, 128), (False, True): (128, 4, 64), (True, False): (128, 16, 64),
+             (True, True): (128, 4, 64)}
 _FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 if HAS_TRITON:
@@ -52,30 +53,31 @@ if HAS_TRITON:
         return scale
 
     @triton.jit
-    def _to_fp8(x, scale, FMAX: tl.constexpr, dtype: tl.constexpr):
-        # fp8(clamp(x * scale)), rounded to nearest even in fp32 first (the value is then exact in
-        # fp8, so the conversion itself does not round: the same bytes on the GPU and in Triton's
-        # interpreter, whose own fp8 rounding is not round-to-nearest-even). Quantum of |y|'s
-        # binade: 2^(exponent - mantissa bits), at least the fp8 subnormal step; adding and
-        # subtracting quantum * 2^23 rounds to a multiple of it.
+    def _to_fp8(x, scale, FMAX: tl.constexpr, dtype: tl.constexpr, SOFT_ROUND: tl.constexpr):
+        # fp8(clamp(x * scale)), round to nearest even. On the GPU the conversion instruction rounds
+        # so. SOFT_ROUND (Triton's interpreter, whose own fp8 conversion does not round to nearest
+        # even): round in fp32 first, so the conversion is exact. Quantum of |y|'s binade:
+        # 2^(exponent - mantissa bits), at least the fp8 subnormal step; adding and subtracting
+        # quantum * 2^23 rounds to a multiple of it.
         y = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
-        bits = y.to(tl.int32, bitcast=True)
-        a = tl.abs(y)
-        binade = (bits & 0x7F800000).to(tl.float32, bitcast=True)
-        if FMAX == 448.0:  # E4M3: 3 mantissa bits, subnormal step 2^-9
-            q = tl.maximum(binade * 0.125, 0.001953125)
-        else:  # E5M2: 2 mantissa bits, subnormal step 2^-16
-            q = tl.maximum(binade * 0.25, 1.52587890625e-05)
-        big = q * 8388608.0
-        r = (a + big) - big
-        r = (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # y's sign
-        return r.to(dtype)
+        if SOFT_ROUND:
+            bits = y.to(tl.int32, bitcast=True)
+            a = tl.abs(y)
+            binade = (bits & 0x7F800000).to(tl.float32, bitcast=True)
+            if FMAX == 448.0:  # E4M3: 3 mantissa bits, subnormal step 2^-9
+                q = tl.maximum(binade * 0.125, 0.001953125)
+            else:  # E5M2: 2 mantissa bits, subnormal step 2^-16
+                q = tl.maximum(binade * 0.25, 1.52587890625e-05)
+            big = q * 8388608.0
+            r = (a + big) - big
+            y = (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # y's sign
+        return y.to(dtype)
 
     @triton.jit
     def _cast_tensor_kernel(
         X, SCALE, Q, QT, AMAX,  # X [M, N] (row stride stride_x), SCALE fp32 [1], Q [M, N], QT [N, M], AMAX fp32 [1]
         M, N, stride_x,
-        FMAX: tl.constexpr, HAS_T: tl.constexpr, HAS_AMAX: tl.constexpr,
+        FMAX: tl.constexpr, HAS_T: tl.constexpr, HAS_AMAX: tl.constexpr, SOFT_ROUND: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -85,7 +87,7 @@ if HAS_TRITON:
         c64 = cols.to(tl.int64)
         x = tl.load(X + r64[:, None] * stride_x + c64[None, :], mask=mask, other=0.0).to(tl.float32)
         scale = tl.load(SCALE)
-        q = _to_fp8(x, scale, FMAX, Q.dtype.element_ty)
+        q = _to_fp8(x, scale, FMAX, Q.dtype.element_ty, SOFT_ROUND)
         tl.store(Q + r64[:, None] * N + c64[None, :], q, mask=mask)
         if HAS_T:
             tl.store(QT + c64[:, None] * M + r64[None, :], tl.trans(q), mask=tl.trans(mask))
@@ -109,7 +111,7 @@ if HAS_TRITON:
     def _cast_block_kernel(
         X, Q, S, QT, ST,  # X [M, N]; Q [M, N]; S scale_inv; QT [N, M]; ST its scale_inv
         M, N, stride_x, stride_s0, stride_s1, stride_st0, stride_st1,
-        FMAX: tl.constexpr, SQUARE: tl.constexpr, POW2: tl.constexpr, HAS_T: tl.constexpr,
+        FMAX: tl.constexpr, SQUARE: tl.constexpr, POW2: tl.constexpr, HAS_T: tl.constexpr, SOFT_ROUND: tl.constexpr,
         BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
     ):
         # Program (bm, bn) owns rows bm*BLOCK_M.. and columns bn*BLOCK.. (BLOCK_M == BLOCK whenever a
@@ -125,7 +127,7 @@ if HAS_TRITON:
         if not SQUARE and not HAS_T:  # rows only: one pass over a [BLOCK_M, BLOCK] tile
             x, cols, c64, mask = _load_chunk(X, rows, r64, bn, 0, M, N, stride_x, BLOCK, BLOCK)
             scale = _scale_of(tl.max(tl.abs(x), axis=1), FMAX, POW2)
-            tl.store(Q + r64[:, None] * N + c64[None, :], _to_fp8(x, scale[:, None], FMAX, Q.dtype.element_ty),
+            tl.store(Q + r64[:, None] * N + c64[None, :], _to_fp8(x, scale[:, None], FMAX, Q.dtype.element_ty, SOFT_ROUND),
                      mask=mask)
             tl.store(S + r64 * stride_s0 + bn * stride_s1, _inv(scale), mask=rows < M)
         else:
@@ -136,7 +138,7 @@ if HAS_TRITON:
                 amax = tl.maximum(amax, tl.max(ax, axis=1))
                 if not SQUARE:  # the column-wise copy: each column's scale is complete in its chunk
                     scale_t = _scale_of(tl.max(ax, axis=0), FMAX, POW2)
-                    qt = _to_fp8(x, scale_t[None, :], FMAX, QT.dtype.element_ty)
+                    qt = _to_fp8(x, scale_t[None, :], FMAX, QT.dtype.element_ty, SOFT_ROUND)
                     tl.store(QT + c64[:, None] * M + r64[None, :], tl.trans(qt), mask=tl.trans(mask))
                     tl.store(ST + c64 * stride_st0 + bm * stride_st1, _inv(scale_t), mask=cols < N)
             if SQUARE:
@@ -151,7 +153,7 @@ if HAS_TRITON:
                 scale = scale[:, None]
             for c in tl.static_range(NCH):
                 x, cols, c64, mask = _load_chunk(X, rows, r64, bn, c, M, N, stride_x, BLOCK, CHUNK)
-                q = _to_fp8(x, scale, FMAX, Q.dtype.element_ty)
+                q = _to_fp8(x, scale, FMAX, Q.dtype.element_ty, SOFT_ROUND)
                 tl.store(Q + r64[:, None] * N + c64[None, :], q, mask=mask)
                 if SQUARE and HAS_T:
                     tl.store(QT + c64[:, None] * M + r64[None, :], tl.trans(q), mask=tl.trans(mask))
@@ -276,7 +278,7 @@ def _cast_tensor_launch(x2, scale, dtype, transposed, amax):
         bm, bn, warps = TENSOR_CFG[transposed]
         _cast_tensor_kernel[(cdiv(m, bm), cdiv(k, bn))](
             x2, scale, q, qt if qt is not None else q, amax if amax is not None else scale, m, k, x2.stride(0),
-            FMAX=_FMAX[dtype], HAS_T=transposed, HAS_AMAX=amax is not None, BLOCK_M=bm, BLOCK_N=bn,
+            FMAX=_FMAX[dtype], HAS_T=transposed, HAS_AMAX=amax is not None, SOFT_ROUND=interpreter_enabled(), BLOCK_M=bm, BLOCK_N=bn,
             num_warps=warps)
     return q, qt
 
@@ -291,7 +293,7 @@ def _cast_block_launch(x2, square, pow2, transposed, dtype):
         bm, warps, chunk = BLOCK_CFG[square, transposed]
         _cast_block_kernel[(cdiv(m, bm), cdiv(k, BLOCK))](
             x2, q, s, *t_args, m, k, x2.stride(0), s.stride(0), s.stride(1), t_args[1].stride(0),
-            t_args[1].stride(1), FMAX=_FMAX[dtype], SQUARE=square, POW2=pow2, HAS_T=transposed, BLOCK=BLOCK,
+            t_args[1].stride(1), FMAX=_FMAX[dtype], SQUARE=square, POW2=pow2, HAS_T=transposed, SOFT_ROUND=interpreter_enabled(), BLOCK=BLOCK,
             BLOCK_M=bm, CHUNK=chunk, num_warps=warps)
     return q, s, qt, st
 

@@ -134,7 +134,13 @@ def with_colwise(t: Float8Tensor) -> Float8Tensor:
 def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transposed: bool) -> Float8Tensor:
     """The FP8 weight, quantized once per change of the weight: the cache on ``owner`` is keyed on
     the parameter's identity, storage, version counter (bumped by every in-place update, e.g. an
-    optimizer step), the recipe and the forms needed. Counts casts in ``owner.fp8_weight_casts``."""
+    optimizer step), the recipe and the forms needed. Counts casts in ``owner.fp8_weight_casts``.
+    Under CUDA-graph capture the cast is always captured (the graph re-casts on every replay)."""
+    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        # A CUDA graph replays without this check: the graph casts on every replay (correct after
+        # any in-place weight update; skipping the cast on the device is not done yet).
+        with torch.no_grad():
+            return quantize(weight.detach(), recipe, "weight", transposed=transposed, owner=owner)
     key = (id(weight), weight.data_ptr(), weight._version, recipe, transposed)
     hit = owner.__dict__.get("_fp8_weight_cache")
     if hit is not None and hit[0] == key:
