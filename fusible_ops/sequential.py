@@ -6,6 +6,8 @@ from typing import Iterator, Optional, Union
 
 import torch
 
+from .quantization.recipes import current_recipe
+from .quantization.report import fp8_lines
 from .fuser import OperationFuser
 from .op import BasicOperation, FusibleOperation
 from .rules import RuleSet
@@ -265,8 +267,9 @@ class Sequential(torch.nn.Module):
         return rows
 
     def explain(self, x: Optional[torch.Tensor] = None, *extra_inputs) -> str:
-        """Both plans as text, and each rule that matched structurally but was declined, with the
-        checker's reason."""
+        """Both plans as text, each rule that matched structurally but was declined (with the
+        checker's reason) and, inside :func:`fusible_ops.autocast`, where FP8 casts run (fused into a
+        producer or standalone) and which ops fall back to high precision."""
         lines = []
         ops = self.basic_ops()
         lines.append("basic ops: " + ", ".join(f"[{i}] {type(op).__name__}" for i, op in enumerate(ops)))
@@ -297,6 +300,7 @@ class Sequential(torch.nn.Module):
                 lines.append(f"  rule {d.rule!r} ({p}) on ops {idx}: {d.reason}")
         else:
             lines.append("declined: none")
+        lines.extend(fp8_lines(ops, current_recipe()))
         return "\n".join(lines)
 
     def backward_dw(self) -> None:

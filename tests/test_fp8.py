@@ -331,3 +331,17 @@ def test_gpu_scaled_mm_equals_emulation(scaling, n):
         got = G.fp8_gemm(a, b, sa, sb, torch.float32)
         want = G.fp8_gemm_ref(a, b, sa, sb, torch.float32)
         assert sqnr(got, want) > 60
+
+
+def test_explain_shows_where_casts_run_and_fallbacks():
+    seq = fo.Sequential(fo.RMSNorm(128), fo.Linear(128, 256), fo.GELU(), fo.Quantize(), fo.Linear(256, 128),
+                        fo.GroupedLinear(2, 128, 128))
+    x = torch.randn(128, 128)
+    assert "fp8" not in seq.explain(x, torch.tensor([64, 64]))
+    with fo.autocast(recipe=fo.Float8CurrentScaling()):
+        text = seq.explain(x, torch.tensor([64, 64]))
+    assert "[1] BasicLinear: FP8 GEMMs; input: standalone cast (E4M3)" in text
+    assert "producer [0] RMSNorm does not write FP8 itself yet" in text
+    assert "[5] BasicLinear: FP8 GEMMs; input already FP8 from Quantize [4]" in text
+    assert "output gradient: standalone cast (E5M2)" in text
+    assert "[7] GroupedLinear: high precision (fallback)" in text

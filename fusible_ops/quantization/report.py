@@ -1,0 +1,53 @@
+"""What FP8 does in a chain of basic ops under a recipe: the lines ``Sequential.explain()`` prints."""
+
+from __future__ import annotations
+
+from .recipes import Float8BlockScaling, fp8_dtype
+
+_NAMES = {"float8_e4m3fn": "E4M3", "float8_e5m2": "E5M2"}
+
+
+def _fmt(recipe, role: str) -> str:
+    return _NAMES[str(fp8_dtype(recipe, role)).replace("torch.", "")]
+
+
+def fp8_lines(ops, recipe) -> list[str]:
+    """One line per op that FP8 touches (or skips), in order; empty when ``recipe`` is None."""
+    if recipe is None:
+        return []
+    from ..ops.grouped_linear import GroupedLinear
+    from ..ops.linear import BasicLinear
+    from ..ops.quantize import Quantize
+
+    lines = [f"fp8 ({type(recipe).__name__}, format {recipe.fp8_format}):"]
+    for i, op in enumerate(ops):
+        name = f"[{i}] {type(op).__name__}"
+        if isinstance(op, Quantize):
+            what = []
+            if op.quantize_forward:
+                what.append(f"casts its input ({_fmt(recipe, 'input')}); the next linear reads it as it is")
+            if op.quantize_backward:
+                what.append(f"casts its output gradient ({_fmt(recipe, 'grad_output')})")
+            lines.append(f"  {name}: " + ("; ".join(what) or "does nothing (forward=False, backward=False)"))
+        elif isinstance(op, BasicLinear):
+            prev = ops[i - 1] if i > 0 else None
+            if isinstance(prev, Quantize) and prev.quantize_forward:
+                src = f"input already FP8 from Quantize [{i - 1}] (no cast here)"
+            elif prev is None:
+                src = (f"input: a Float8Tensor is used as it is, else a standalone cast ({_fmt(recipe, 'input')}) "
+                       "in this op")
+            else:
+                src = (f"input: standalone cast ({_fmt(recipe, 'input')}) in this op; the producer "
+                       f"[{i - 1}] {type(prev).__name__} does not write FP8 itself yet")
+            extra = ""
+            if isinstance(recipe, Float8BlockScaling) and (op.in_features % 512 or op.out_features % 512):
+                extra = ("; on CUDA a 128x128-scaled GEMM with a reduction dim not a multiple of 512 runs as emulation "
+                         "(dequantized fp32 matmul)")
+            lines.append(f"  {name}: FP8 GEMMs; {src}; weight cast once per weight change (cache); output "
+                         f"gradient: standalone cast ({_fmt(recipe, 'grad_output')}) in its backward{extra}")
+        elif isinstance(op, GroupedLinear):
+            lines.append(f"  {name}: high precision (fallback): FP8 grouped GEMMs are not implemented yet")
+    return lines
+
+
+__all__ = ["fp8_lines"]
