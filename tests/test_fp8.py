@@ -345,3 +345,32 @@ def test_explain_shows_where_casts_run_and_fallbacks():
     assert "[5] BasicLinear: FP8 GEMMs; input already FP8 from Quantize [4]" in text
     assert "output gradient: standalone cast (E5M2)" in text
     assert "[7] GroupedLinear: high precision (fallback)" in text
+
+
+def _amax_reduction_worker(rank, world, init_file, out_dir):
+    import os
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        lin = fo.Linear(64, 64)  # the same weights on every rank
+        x = torch.randn(32, 64) * (rank + 1)  # a different input amax per rank
+        recipe = fo.Float8DelayedScaling(amax_history_len=4)
+        group = torch.distributed.group.WORLD
+        for _ in range(2):  # the second call reduces the amax the first one recorded
+            with fo.autocast(recipe=recipe, amax_reduction_group=group):
+                lin(x)
+        torch.save({"scale": lin.fp8_scale.clone(), "amax": x.abs().max()}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_delayed_amax_reduced_over_a_process_group(tmp_path):
+    import torch.multiprocessing as mp
+
+    world = 2
+    mp.spawn(_amax_reduction_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    r = [torch.load(tmp_path / f"{i}.pt") for i in range(world)]
+    assert torch.equal(r[0]["scale"][0], r[1]["scale"][0])  # the input scale: one value on every rank
+    expected = 448.0 / max(r[0]["amax"], r[1]["amax"])  # from the max over ranks
+    assert r[0]["scale"][0].item() == pytest.approx(float(expected), rel=1e-6)
