@@ -211,7 +211,8 @@ class OperationFuser:
             param_counts=list(self._param_counts),
             op_kwargs=[
                 {
-                    "next_op_input_quantizer": ops[i + 1].input_quantizer() if i + 1 < len(ops) else None,
+                    "next_op_input_quantizer": (_input_quantizer(ops[i + 1], requires_grad and op_trainable[i + 1])
+                                                if i + 1 < len(ops) else None),
                     "prev_op_grad_output_quantizer": ops[i - 1].grad_output_quantizer() if i > 0 else None,
                 }
                 for i in range(len(ops))
@@ -265,6 +266,14 @@ class OperationFuser:
         if self.num_extra_outputs == 0:
             return outs[0]
         return tuple(outs)
+
+
+def _input_quantizer(op: BasicOperation, weight_grad: bool):
+    """``op.input_quantizer()``, told whether the op computes a weight gradient in this plan."""
+    q = op.input_quantizer()
+    if q is not None and hasattr(q, "colwise"):
+        q.colwise = weight_grad
+    return q
 
 
 class _BackwardContext:

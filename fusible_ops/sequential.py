@@ -300,7 +300,9 @@ class Sequential(torch.nn.Module):
                 lines.append(f"  rule {d.rule!r} ({p}) on ops {idx}: {d.reason}")
         else:
             lines.append("declined: none")
-        lines.extend(fp8_lines(ops, current_recipe()))
+        producers = {offset + g.indices[-1] for _, plan, offset in plans for g in plan.forward
+                     if getattr(g.op, "writes_fp8_output", False)}
+        lines.extend(fp8_lines(ops, current_recipe(), producers))
         return "\n".join(lines)
 
     def backward_dw(self) -> None:

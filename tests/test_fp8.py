@@ -374,3 +374,41 @@ def test_delayed_amax_reduced_over_a_process_group(tmp_path):
     assert torch.equal(r[0]["scale"][0], r[1]["scale"][0])  # the input scale: one value on every rank
     expected = 448.0 / max(r[0]["amax"], r[1]["amax"])  # from the max over ranks
     assert r[0]["scale"][0].item() == pytest.approx(float(expected), rel=1e-6)
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:3], ids=IDS[:3])
+def test_activation_writes_the_next_linears_fp8_input(recipe, monkeypatch):
+    """Hand-off: the fused bias + GELU writes the second linear's FP8 input (delayed: the FP8 bytes
+    in its own pass; current: its pass takes the amax, then one cast; block: a standalone cast),
+    and the result equals the unfused chain's exactly."""
+    import copy
+
+    import fusible_ops.ops.fp8_linear as FL
+    from fusible_ops.fusion_rules import disabled
+
+    fused = _mlp()
+    plain = copy.deepcopy(fused)
+    g = torch.Generator().manual_seed(5)
+    x, dy = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
+    casts = []
+    real = FL.quantize
+
+    def spy(t, r, role, **kw):
+        casts.append(role)
+        return real(t, r, role, **kw)
+
+    monkeypatch.setattr(FL, "quantize", spy)
+    outs = {}
+    for name, seq in (("fused", fused), ("plain", plain)):
+        casts.clear()
+        ctx = disabled("linear_bias_activation") if name == "plain" else torch.enable_grad()
+        with ctx:
+            for _ in range(2):  # delayed scaling: the second step reads the history
+                y, dx = _run(seq, x, dy, recipe)
+            outs[name] = (y, dx, seq[2].weight.grad.clone(), casts.count("input"))
+            assert [r["rule"] for r in seq.fusion_plan()][0] == (
+                "linear_bias_activation" if name == "fused" else "linear_bias")
+    assert outs["plain"][3] == 4  # two steps: both linears cast their input in the unfused chain
+    assert outs["fused"][3] == 2  # the second linear's input came from the activation
+    for a, b in zip(outs["fused"][:3], outs["plain"][:3]):
+        assert torch.equal(a, b)

@@ -45,7 +45,11 @@ def _split(ops):
 
 class ForwardLinearBiasActivation(FusedOperation):
     """Forward of ``[BasicLinear] [Bias] [activation] [Dropout]`` (any contiguous subset that the
-    rules below match). Fills each basic op's ctx exactly as the op's own forward would."""
+    rules below match). Fills each basic op's ctx exactly as the op's own forward would. When the
+    next op is an FP8 linear (``next_op_input_quantizer``), the activation kernel writes that
+    linear's FP8 input itself (:meth:`~fusible_ops.quantization.InputQuantizer.produce`)."""
+
+    writes_fp8_output = True
 
     def __init__(self, ops) -> None:
         super().__init__(ops)
@@ -75,7 +79,19 @@ class ForwardLinearBiasActivation(FusedOperation):
         act.check_input(z)
         seed = drop.start(ctxs[di], z) if drop is not None else None  # the Dropout seed protocol
         p = drop.p if seed is not None else 0.0
-        y = _K.bias_act_fwd(z, b, act.kind, dropout_p=p, seed=seed)
+        per_op = kwargs.get("basic_op_kwargs")
+        quant = per_op[-1].get("next_op_input_quantizer") if per_op else None
+        if quant is None:
+            y = _K.bias_act_fwd(z, b, act.kind, dropout_p=p, seed=seed)
+        else:  # the next op is an FP8 linear: this kernel writes its input (see InputQuantizer.produce)
+            kind = act.kind
+
+            def run(amax=None, **fp8):
+                if amax is None:
+                    return _K.bias_act_fwd(z, b, kind, dropout_p=p, seed=seed)
+                return _K.bias_act_fwd_fp8(z, b, kind, amax=amax, dropout_p=p, seed=seed, **fp8)
+
+            y = quant.produce(run, z)
         act.save_ctx(ctxs[ai], z, bias=b)
         return y, self._no_extras
 

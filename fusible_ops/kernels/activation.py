@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from fusible_ops.kernels import HAS_TRITON, use_triton
+from fusible_ops.kernels import HAS_TRITON, interpreter_enabled, use_triton
 from fusible_ops.kernels.activation_ref import (  # noqa: F401  (re-exported: one module to import)
     ACTIVATIONS,
     GATED,
@@ -41,6 +41,7 @@ from fusible_ops.kernels.activation_ref import (  # noqa: F401  (re-exported: on
     scaled_swiglu_fwd_ref,
 )
 from fusible_ops.kernels.dropout import check_p_seed, keep_scale, seed_tensor
+from fusible_ops.kernels.fp8_cast import FP8_MAX_OF, fp8_epilogue_ref
 from fusible_ops.kernels.launch import (MIN_BLOCK_C, DirectKernel, as_rows, cdiv, elementwise_config, geometry_cache,
                                         kernel_op, needs_int64, next_pow2, num_sms, remember)
 
@@ -50,6 +51,7 @@ if HAS_TRITON:
 
     from fusible_ops.kernels.act_table import act_and_grad, dact
     from fusible_ops.kernels.dropout import keep_tile
+    from fusible_ops.kernels.fp8_cast import fp8_epilogue
 
     @triton.jit
     def _act_fwd_kernel(
@@ -63,6 +65,7 @@ if HAS_TRITON:
         p,  # fp32 drop probability
         scale,  # fp32 1 / (1 - p)
         SEED,  # [1] int64 dropout seed (read on the device) or dummy
+        Q, QT, QSCALE, AMAX,  # FP8 output (OUT_MODE 2), its transposed copy, fp32 [1] scale, fp32 [1] amax
         ACT: tl.constexpr,
         GATED: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -71,6 +74,10 @@ if HAS_TRITON:
         OFF64: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_C: tl.constexpr,
+        OUT_MODE: tl.constexpr,  # fp8_epilogue's: 0 plain, 1 plain + amax, 2 FP8 (+ amax)
+        HAS_QT: tl.constexpr,
+        FMAX: tl.constexpr,
+        SOFT_ROUND: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         col0 = tl.program_id(1) * BLOCK_C
@@ -94,7 +101,8 @@ if HAS_TRITON:
             y = y * tl.where(keep, scale, 0.0)
         if HAS_SCALES:
             y = y * tl.load(S + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-        tl.store(Y + rows64[:, None] * n_out + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        fp8_epilogue(y, mask, rows64, cols.to(tl.int64), n_rows, n_out, Y, Q, QT, QSCALE, AMAX,
+                     OUT_MODE, HAS_QT, FMAX, SOFT_ROUND)
 
     @triton.jit
     def _act_bwd_kernel(
@@ -214,7 +222,10 @@ def _rows_of(x: torch.Tensor, asis: bool) -> torch.Tensor:
     return x if asis else as_rows(x)
 
 
-def _fwd_geometry(key, x, bias, scales, kind, drop):
+_PLAIN = (0, None, False)  # fp8 output spec (OUT_MODE, fp8 dtype, transposed) of a plain call
+
+
+def _fwd_geometry(key, x, bias, scales, kind, drop, fp8=_PLAIN):
     """Checks and launch geometry of the forward, once per key: (y shape, asis, grid, meta)."""
     check_bias_act(x, bias, kind, 0.0, None)
     if scales is not None:
@@ -227,28 +238,42 @@ def _fwd_geometry(key, x, bias, scales, kind, drop):
         return _remember(key, (out_shape, True, None, None))
     block_r, block_c, num_warps = elementwise_config(n_rows, n_out)
     grid = (cdiv(n_rows, block_r), cdiv(n_out, block_c))
+    mode, qdtype, transposed = fp8
     meta = dict(ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None, DROPOUT=drop,
-                OFF64=needs_int64(n_rows, n_out), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
+                OFF64=needs_int64(n_rows, n_out), BLOCK_R=block_r, BLOCK_C=block_c, OUT_MODE=mode,
+                HAS_QT=transposed, FMAX=FP8_MAX_OF.get(qdtype, 448.0), SOFT_ROUND=interpreter_enabled(),
+                num_warps=num_warps)
     asis = x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] <= 1)
     return _remember(key, (out_shape, asis, grid, meta))
 
 
-def _act_fwd_launch(x, bias, scales, kind, dropout_p, seed):
-    """seed: [1] int64 tensor on x's device when dropout_p > 0, else None."""
+def _act_fwd_launch(x, bias, scales, kind, dropout_p, seed, fp8=_PLAIN, qscale=None, amax=None):
+    """seed: [1] int64 tensor on x's device when dropout_p > 0, else None. ``fp8``: (OUT_MODE,
+    fp8 dtype, transposed) of :func:`fusible_ops.kernels.fp8_cast.fp8_epilogue`; mode 2 returns
+    ``(q [rows, n_out], qt or None)``, modes 0 and 1 return y."""
     drop = dropout_p > 0.0
     key = ("fwd", x.shape, x.stride(), x.dtype, x.device, kind, None if bias is None else (bias.shape, bias.dtype),
-           None if scales is None else (scales.shape, scales.dtype), drop)
-    geo = _GEOMETRY.get(key) or _fwd_geometry(key, x, bias, scales, kind, drop)
+           None if scales is None else (scales.shape, scales.dtype), drop, fp8)
+    geo = _GEOMETRY.get(key) or _fwd_geometry(key, x, bias, scales, kind, drop, fp8)
     out_shape, asis, grid, meta = geo
-    y = x.new_empty(out_shape)
-    if grid is None:
-        return y
-    x2 = _rows_of(x, asis)  # a view when possible (column stride must be 1), else a copy
-    bias_c = bias.contiguous() if bias is not None else x2
-    scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
-    _FWD(grid, key, (x2, bias_c, scales_c, y, x2.shape[0], out_shape[-1], x2.stride(0), float(dropout_p),
-                     keep_scale(dropout_p), seed if drop else x2), meta)
-    return y
+    mode, qdtype, transposed = fp8
+    n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if mode == 2:
+        y = q = torch.empty(n_rows, out_shape[-1], dtype=qdtype, device=x.device)
+        qt = torch.empty(out_shape[-1], n_rows, dtype=qdtype, device=x.device) if transposed else None
+    else:
+        y = x.new_empty(out_shape)
+    if grid is not None:
+        x2 = _rows_of(x, asis)  # a view when possible (column stride must be 1), else a copy
+        bias_c = bias.contiguous() if bias is not None else x2
+        scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
+        if mode == 2:
+            outs = (x2, q, qt if transposed else q, qscale, amax)
+        else:
+            outs = (y, y, y, x2, amax if mode == 1 else x2)
+        _FWD(grid, key, (x2, bias_c, scales_c, outs[0], x2.shape[0], out_shape[-1], x2.stride(0), float(dropout_p),
+                         keep_scale(dropout_p), seed if drop else x2, *outs[1:]), meta)
+    return (q, qt) if mode == 2 else y
 
 
 def _bwd_geometry(key, dy, x, bias, scales, kind, need_dbias, need_dscales, drop):
@@ -407,6 +432,27 @@ def bias_act_fwd(
     return bias_act_fwd_ref(x, bias, kind, dropout_p=dropout_p, seed=seed)
 
 
+def bias_act_fwd_fp8(
+    x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, *, amax: torch.Tensor, dropout_p: float = 0.0,
+    seed: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn, transposed: bool = False,
+):
+    """:func:`bias_act_fwd` whose one pass also serves an FP8 consumer (eager calls; see
+    :func:`fusible_ops.kernels.fp8_cast.fp8_epilogue`). ``amax`` (fp32 [1]) is raised to ``max|y|``.
+    Without ``scale`` (current scaling) returns y as :func:`bias_act_fwd` does: the cast that
+    follows needs no reduction pass. With ``scale`` (fp32 [1], delayed scaling) returns
+    ``(q [rows, n_out], qt [n_out, rows] or None)``: the FP8 bytes of y (rounded to x's dtype
+    first, exactly as a cast of :func:`bias_act_fwd`'s y) and, with ``transposed``, their transpose;
+    y itself is never written."""
+    check_p_seed(dropout_p, seed)
+    seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
+    if use_triton(x, bias):
+        fp8 = (2, fp8_dtype, bool(transposed)) if scale is not None else (1, None, False)
+        return _act_fwd_launch(x, bias, None, kind, float(dropout_p), seed, fp8, scale, amax)
+    y = bias_act_fwd_ref(x, bias, kind, dropout_p=dropout_p, seed=seed)
+    return fp8_epilogue_ref(y, amax, scale, fp8_dtype, transposed)
+
+
 def bias_act_bwd(
     dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, need_dbias: bool,
     *, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
@@ -461,6 +507,7 @@ __all__ = [
     "bias_act_bwd",
     "bias_act_bwd_ref",
     "bias_act_fwd",
+    "bias_act_fwd_fp8",
     "bias_act_fwd_ref",
     "scaled_swiglu_bwd",
     "scaled_swiglu_bwd_ref",

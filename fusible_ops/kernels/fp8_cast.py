@@ -74,6 +74,25 @@ if HAS_TRITON:
         return y.to(dtype)
 
     @triton.jit
+    def fp8_epilogue(y, mask, rows64, cols64, n_rows, n_cols, Y, Q, QT, QSCALE, AMAX,
+                     OUT_MODE: tl.constexpr, HAS_QT: tl.constexpr, FMAX: tl.constexpr, SOFT_ROUND: tl.constexpr):
+        # A producer kernel's output store (y: fp32 [R, C] tile at rows64 x cols64 of an [n_rows,
+        # n_cols] output). OUT_MODE 0: y to Y in Y's dtype; 1: also max|y| into AMAX (current
+        # scaling: the cast that follows needs no reduction pass); 2: y rounded to Y's dtype (as the
+        # unfused path would store it), then fp8(. * QSCALE) to Q, transposed to QT (HAS_QT), and
+        # max|y| into AMAX (delayed scaling's history entry). Y is only a dtype carrier in mode 2.
+        yr = y.to(Y.dtype.element_ty)
+        if OUT_MODE == 2:
+            q = _to_fp8(yr.to(tl.float32), tl.load(QSCALE), FMAX, Q.dtype.element_ty, SOFT_ROUND)
+            tl.store(Q + rows64[:, None] * n_cols + cols64[None, :], q, mask=mask)
+            if HAS_QT:
+                tl.store(QT + cols64[:, None] * n_rows + rows64[None, :], tl.trans(q), mask=tl.trans(mask))
+        else:
+            tl.store(Y + rows64[:, None] * n_cols + cols64[None, :], yr, mask=mask)
+        if OUT_MODE >= 1:
+            tl.atomic_max(AMAX, tl.max(tl.max(tl.where(mask, tl.abs(yr.to(tl.float32)), 0.0), axis=1), axis=0))
+
+    @triton.jit
     def _cast_tensor_kernel(
         X, SCALE, Q, QT, AMAX,  # X [M, N] (row stride stride_x), SCALE fp32 [1], Q [M, N], QT [N, M], AMAX fp32 [1]
         M, N, stride_x,
@@ -329,5 +348,19 @@ def cast_block(x: torch.Tensor, square: bool, pow2: bool = False, transposed: bo
     return _dispatch("cast_block", dtype, x, _cast_block_launch, cast_block_ref, square, pow2, transposed, dtype)
 
 
-__all__ = ["BLOCK", "block_scale_buffers", "cast_block", "cast_block_ref", "cast_tensor", "cast_tensor_ref",
+FP8_MAX_OF = _FMAX  # fp8 dtype -> its largest finite value
+
+
+def fp8_epilogue_ref(y: torch.Tensor, amax: torch.Tensor, scale: Optional[torch.Tensor] = None,
+                     dtype: Optional[torch.dtype] = None, transposed: bool = False):
+    """The ``*_ref`` of ``fp8_epilogue`` applied to a producer's result ``y`` (in its output dtype):
+    ``amax`` raised to ``max|y|``; with ``scale``, ``(q, qt)`` of :func:`cast_tensor_ref`, else y."""
+    if scale is None:
+        if y.numel():
+            amax.copy_(torch.maximum(amax, y.abs().amax().float().reshape(amax.shape)))
+        return y
+    return cast_tensor_ref(y, scale, dtype, transposed, amax)
+
+
+__all__ = ["BLOCK", "FP8_MAX_OF", "fp8_epilogue_ref", "block_scale_buffers", "cast_block", "cast_block_ref", "cast_tensor", "cast_tensor_ref",
            "scale_from_amax_ref", "tensor_amax"]

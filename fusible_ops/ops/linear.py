@@ -10,7 +10,7 @@ import torch
 from ..grad import WeightGradMixin, deliver_weight_grad
 from ..kernels.gemm import linear_dgrad, linear_fprop, linear_wgrad
 from ..op import BasicOperation, FusibleOperation
-from ..quantization.casting import FP8StateMixin
+from ..quantization.casting import FP8StateMixin, InputQuantizer
 from ..quantization.recipes import current_recipe
 from ..quantization.tensor import Float8Tensor
 from .fp8_linear import fp8_backward, fp8_forward
@@ -90,9 +90,10 @@ class BasicLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
         return y
 
     def input_quantizer(self):
-        """``(recipe, "input")`` under an active recipe: this op reads its input in FP8."""
+        """Under an active recipe, the :class:`~fusible_ops.quantization.InputQuantizer` a producer
+        uses to write this op's input in FP8 itself (None otherwise)."""
         recipe = current_recipe()
-        return None if recipe is None else (recipe, "input")
+        return None if recipe is None else InputQuantizer(recipe, self)
 
     def op_forward(self, ctx, x, **kwargs):
         return self.fprop(ctx, x)

@@ -38,10 +38,6 @@ class Quantize(FP8StateMixin, BasicOperation):
     def _example(cls, n: int, **factory):
         return cls(), n
 
-    def input_quantizer(self):
-        recipe = current_recipe()
-        return None if recipe is None or not self.quantize_forward else (recipe, "input")
-
     def op_forward(self, ctx, x, **kwargs):
         check_input(self, x)
         recipe = current_recipe()

@@ -82,6 +82,74 @@ def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, x: torch.Tens
     return scale[r : r + 1], hist[0:1, r]
 
 
+# ---- the hand-off object
+
+
+class InputQuantizer:
+    """What an FP8 consumer (a linear) wants its input to be: handed to the op before it (the
+    ``next_op_input_quantizer`` keyword of ``fuser_forward``) so that the producer writes FP8
+    itself. Fixed per plan (the recipe is part of the plan key)."""
+
+    def __init__(self, recipe, consumer) -> None:
+        self.recipe = recipe
+        self.consumer = consumer
+        self.colwise = None  # set by the fuser's plan: whether the consumer computes its weight gradient
+
+    @property
+    def owner(self) -> torch.nn.Module:
+        """The module holding the consumer's delayed-scaling state."""
+        return self.consumer.param_owner("weight")
+
+    def need_colwise(self) -> bool:
+        """Whether the consumer's weight gradient will read the transposed copy (from the plan;
+        a forward inside ``autograd.Function`` runs with grad mode off, so it cannot ask that)."""
+        if self.colwise is not None:
+            return self.colwise
+        return torch.is_grad_enabled() and self.consumer.weight.requires_grad
+
+    def __call__(self, x: torch.Tensor) -> Float8Tensor:
+        """A standalone cast of ``x`` for the consumer."""
+        return quantize(x, self.recipe, "input", transposed=self.need_colwise(), owner=self.owner)
+
+    def fused_mode(self) -> str:
+        """How a producer serves this consumer: ``"fp8"`` (delayed scaling: the scale is known
+        first, the producer writes FP8 itself), ``"amax"`` (current scaling: the producer's pass
+        also takes the amax, a cast follows), ``"cast"`` (block scaling, or tracing under
+        torch.compile: a standalone cast of the producer's output)."""
+        if torch.compiler.is_compiling() or isinstance(self.recipe, Float8BlockScaling):
+            return "cast"
+        return "fp8" if isinstance(self.recipe, Float8DelayedScaling) else "amax"
+
+    def produce(self, run, like: torch.Tensor) -> Float8Tensor:
+        """The consumer's FP8 input from a producer. ``run(amax=None, scale=None, fp8_dtype=None,
+        transposed=False)`` runs the producer's kernel: without ``amax`` it returns its plain
+        output; with ``amax`` (fp32 [1], raised to max|y|) and no ``scale`` its plain output; with
+        ``scale`` ``(q, qt)`` FP8 bytes [rows, cols] (and their transpose). ``like``: a tensor of
+        the producer's input dtype and device."""
+        mode = self.fused_mode()
+        if mode == "cast":
+            return self(run())
+        dtype = fp8_dtype(self.recipe, "input")
+        colwise = self.need_colwise()
+        if mode == "amax":
+            amax = torch.zeros(1, dtype=torch.float32, device=like.device)
+            y = run(amax=amax)
+            scale = scale_from_amax_ref(amax, FP8_MAX[dtype])
+            q, qt = cast_tensor(y, scale, dtype, colwise)
+            return self._wrap(y.dtype, y.shape, q, qt, scale)
+        scale, entry = _delayed_scale(self.owner, self.recipe, "input", like)
+        q, qt = run(amax=entry, scale=scale, fp8_dtype=dtype, transposed=colwise)
+        return self._wrap(like.dtype, (*like.shape[:-1], q.shape[-1]), q, qt, scale)
+
+    def _wrap(self, dtype, shape, q, qt, scale) -> Float8Tensor:
+        inv = (1.0 / scale).reshape(())
+        return Float8Tensor(q, inv, dtype, shape, scaling="tensor", data_t=qt,
+                            scale_inv_t=inv if qt is not None else None, recipe=self.recipe)
+
+    def __repr__(self) -> str:
+        return f"InputQuantizer({type(self.recipe).__name__}, for {type(self.consumer).__name__})"
+
+
 # ---- quantize
 
 
@@ -152,4 +220,4 @@ def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transpos
     return wq
 
 
-__all__ = ["FP8StateMixin", "cached_weight", "delayed_state", "quantize", "with_colwise"]
+__all__ = ["FP8StateMixin", "InputQuantizer", "cached_weight", "delayed_state", "quantize", "with_colwise"]

@@ -7,12 +7,24 @@ from .recipes import Float8BlockScaling, fp8_dtype
 _NAMES = {"float8_e4m3fn": "E4M3", "float8_e5m2": "E5M2"}
 
 
+def _mode(recipe) -> str:
+    from .casting import InputQuantizer
+
+    return InputQuantizer(recipe, None).fused_mode()
+
+
 def _fmt(recipe, role: str) -> str:
     return _NAMES[str(fp8_dtype(recipe, role)).replace("torch.", "")]
 
 
-def fp8_lines(ops, recipe) -> list[str]:
-    """One line per op that FP8 touches (or skips), in order; empty when ``recipe`` is None."""
+_HOW = {"fp8": "FP8 bytes and amax in the producer's own pass (no cast)",
+        "amax": "the producer's pass also takes the amax, then one cast (current scaling needs the amax first)",
+        "cast": "a standalone cast after the producer (block scales are not fused into producers yet)"}
+
+
+def fp8_lines(ops, recipe, producers=frozenset()) -> list[str]:
+    """One line per op that FP8 touches (or skips), in order; empty when ``recipe`` is None.
+    ``producers``: indices of ops whose fused op writes the next op's FP8 input itself."""
     if recipe is None:
         return []
     from ..ops.grouped_linear import GroupedLinear
@@ -33,6 +45,9 @@ def fp8_lines(ops, recipe) -> list[str]:
             prev = ops[i - 1] if i > 0 else None
             if isinstance(prev, Quantize) and prev.quantize_forward:
                 src = f"input already FP8 from Quantize [{i - 1}] (no cast here)"
+            elif i - 1 in producers:
+                how = _HOW[_mode(recipe)]
+                src = f"input written for it by the fused producer of [{i - 1}] {type(prev).__name__}: {how}"
             elif prev is None:
                 src = (f"input: a Float8Tensor is used as it is, else a standalone cast ({_fmt(recipe, 'input')}) "
                        "in this op")

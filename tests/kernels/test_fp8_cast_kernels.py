@@ -147,3 +147,29 @@ def test_gpu_cast_tensor_bit_exact(dtype):
 @pytest.mark.parametrize("pow2", [False, True], ids=["exact", "pow2"])
 def test_gpu_cast_block_bit_exact(square, pow2):
     _check_block(_x((1000, 4100), torch.bfloat16, device="cuda"), square, pow2)
+
+
+@pytest.mark.parametrize("kind,gated", [("gelu", False), ("swiglu", True)])
+@pytest.mark.parametrize("delayed", [False, True], ids=["amax", "fp8"])
+def test_activation_fp8_epilogue_matches_unfused_cast(kind, gated, delayed):
+    """bias_act_fwd_fp8 (the activation kernel's FP8 epilogue) gives the bytes, transposed copy and
+    amax of bias_act_fwd followed by a standalone cast: on the interpreter and on the ref path."""
+    from fusible_ops.kernels import activation as A
+
+    g = torch.Generator().manual_seed(7)
+    n = 96
+    x = torch.randn(37, 2 * n if gated else n, generator=g).to(DEV, torch.bfloat16)
+    b = torch.randn(x.shape[-1], generator=g).to(DEV, torch.bfloat16)
+    for mode in ("triton", "reference"):
+        with kernels.use(mode):
+            y = A.bias_act_fwd(x, b, kind)
+            amax = torch.zeros(1, device=DEV)
+            if delayed:
+                scale = torch.full((1,), 3.0, device=DEV)
+                q, qt = A.bias_act_fwd_fp8(x, b, kind, amax=amax, scale=scale, fp8_dtype=E4M3, transposed=True)
+                q2, qt2 = C.cast_tensor(y, scale, E4M3, True)
+                assert torch.equal(_bytes(q), _bytes(q2)) and torch.equal(_bytes(qt), _bytes(qt2)), mode
+            else:
+                y1 = A.bias_act_fwd_fp8(x, b, kind, amax=amax)
+                assert torch.equal(y1, y), mode
+            assert torch.equal(amax, C.tensor_amax(y)), mode
