@@ -334,14 +334,14 @@ def test_gpu_scaled_mm_equals_emulation(scaling, n):
 
 
 def test_explain_shows_where_casts_run_and_fallbacks():
-    seq = fo.Sequential(fo.RMSNorm(128), fo.Linear(128, 256), fo.GELU(), fo.Quantize(), fo.Linear(256, 128),
+    seq = fo.Sequential(fo.Identity(), fo.Linear(128, 256), fo.GELU(), fo.Quantize(), fo.Linear(256, 128),
                         fo.GroupedLinear(2, 128, 128))
     x = torch.randn(128, 128)
     assert "fp8" not in seq.explain(x, torch.tensor([64, 64]))
     with fo.autocast(recipe=fo.Float8CurrentScaling()):
         text = seq.explain(x, torch.tensor([64, 64]))
     assert "[1] BasicLinear: FP8 GEMMs; input: standalone cast (E4M3)" in text
-    assert "producer [0] RMSNorm does not write FP8 itself yet" in text
+    assert "producer [0] Identity does not write FP8 itself" in text
     assert "[5] BasicLinear: FP8 GEMMs; input already FP8 from Quantize [4]" in text
     assert "output gradient: standalone cast (E5M2)" in text
     assert "[7] GroupedLinear: high precision (fallback)" in text
@@ -411,4 +411,44 @@ def test_activation_writes_the_next_linears_fp8_input(recipe, monkeypatch):
     assert outs["plain"][3] == 4  # two steps: both linears cast their input in the unfused chain
     assert outs["fused"][3] == 2  # the second linear's input came from the activation
     for a, b in zip(outs["fused"][:3], outs["plain"][:3]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:3], ids=IDS[:3])
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_writes_the_next_linears_fp8_input(recipe, norm, residual, monkeypatch):
+    """Hand-off from LayerNorm / RMSNorm (residual-fused or not): no cast in the linear, and the same
+    results as the chain with the linear casting its input itself."""
+    import copy
+
+    import fusible_ops.ops.fp8_linear as FL
+    import fusible_ops.ops.norm as N
+
+    cls = fo.LayerNorm if norm == "layernorm" else fo.RMSNorm
+    torch.manual_seed(0)
+    ops = ([fo.AddExtraInput()] if residual else []) + [cls(128), fo.Linear(128, 128)]
+    fused = fo.Sequential(*ops)
+    plain = copy.deepcopy(fused)
+    g = torch.Generator().manual_seed(6)
+    x, r, dy = (torch.randn(128, 128, generator=g) for _ in range(3))
+    extra = (r,) if residual else ()
+    casts = []
+    real = FL.quantize
+    monkeypatch.setattr(FL, "quantize", lambda t, rc, role, **kw: casts.append(role) or real(t, rc, role, **kw))
+    outs = []
+    for seq, hand_off in ((fused, True), (plain, False)):
+        casts.clear()
+        if not hand_off:  # the norm ignores the quantizer: the linear casts
+            monkeypatch.setattr(N._Norm, "writes_fp8_output", False)
+            orig = N._Norm._run
+            monkeypatch.setattr(N._Norm, "_run", lambda self, x, res, quant: orig(self, x, res, None))
+        xx = x.clone().requires_grad_()
+        for _ in range(2):
+            with fo.autocast(recipe=recipe):
+                y = seq(xx, *extra)
+            y.backward(dy)
+        outs.append((y, xx.grad, seq[-1].weight.grad.clone(), casts.count("input")))
+    assert outs[0][3] == 0 and outs[1][3] == 2
+    for a, b in zip(outs[0][:3], outs[1][:3]):
         assert torch.equal(a, b)

@@ -18,12 +18,18 @@ from ..rules import rule
 
 
 class ForwardAddNorm(FusedOperation):
+    """Residual add + norm in one kernel (which also writes a following FP8 linear's input)."""
+
+    writes_fp8_output = True
+
     def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
         add, norm = self.basic_ops[0], self.basic_ops[-1]
         (residual,) = extra_inputs[0]
         check_same(add, "the extra input", residual, x)
         norm.check_input(x)
-        y, xsum = norm.norm_forward(ctxs[-1], x, residual=residual)
+        per_op = kwargs.get("basic_op_kwargs")
+        quant = per_op[-1].get("next_op_input_quantizer") if per_op else None
+        y, xsum = norm.norm_forward(ctxs[-1], x, residual=residual, quant=quant)
         extra = [()] * len(ctxs)
         if len(self.basic_ops) == 3:  # MakeExtraOutput returns the sum
             extra[1] = (xsum,)

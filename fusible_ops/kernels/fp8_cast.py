@@ -214,7 +214,7 @@ def scale_from_amax_ref(amax: torch.Tensor, fmax: float, pow2: bool = False) -> 
     """``fmax / amax`` (1 where amax is 0, capped at fp32's max), fp32, optionally rounded down to a
     power of two; the kernels' ``_scale_of``."""
     amax = amax.float()
-    scale = torch.where(amax > 0, torch.tensor(fmax, dtype=torch.float32, device=amax.device) / amax, 1.0)
+    scale = torch.where(amax > 0, torch.full_like(amax, fmax) / amax, 1.0)  # no host-to-device copy (graph capture)
     scale = torch.clamp(scale, max=FP32_MAX)
     if pow2:
         scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)

@@ -1,7 +1,7 @@
 """LayerNorm and RMSNorm over the last dimension, with an optional fused residual add.
 
 Layout: one forward and one backward ``@triton.jit`` kernel (constexpr flags select the variants
-below; built from small jit helpers), launchers, custom ops ``fusible_ops::{layernorm,rmsnorm}_{fwd,bwd}``
+below; built from the small jit helpers in :mod:`.norm_jit`), launchers, custom ops ``fusible_ops::{layernorm,rmsnorm}_{fwd,bwd}``
 with fakes, the ``*_ref`` twins (in :mod:`.norm_ref`, re-exported), public functions.
 
 Math (fp32 inside the kernels for every input dtype; results cast back):
@@ -34,7 +34,8 @@ from typing import Optional
 
 import torch
 
-from . import HAS_TRITON, use_triton
+from . import HAS_TRITON, interpreter_enabled, use_triton
+from .fp8_cast import FP8_MAX_OF, fp8_epilogue_ref
 from . import norm_config as cfg
 from .launch import TRITON_DTYPES, DirectKernel, as_rows, cdiv, geometry_cache, kernel_op, num_sms, remember
 from .norm_ref import (  # noqa: F401  (re-exported: one module to import)
@@ -49,86 +50,10 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    # ---- helpers, inlined into the kernels. Row tiles pass rows as [BLOCK_M, 1] (int64) and
-    # cols as [1, BLOCK_N]; one-row code passes a scalar row and a [BLOCK_N] vector of columns.
+    from .fp8_cast import fp8_epilogue
 
-    @triton.jit
-    def _load_xsum(X, R, XS, rows, cols, mask, stride_x, stride_r, stride_xs,
-                   HAS_RES: tl.constexpr, STORE: tl.constexpr):
-        # fp32 x[rows, cols], plus the residual rounded to XS's dtype (the norm reads the rounded
-        # sum), which STORE also writes to XS[rows, cols]
-        x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            r = tl.load(R + rows * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-            xs = (x + r).to(XS.dtype.element_ty)
-            if STORE:
-                tl.store(XS + rows * stride_xs + cols, xs, mask=mask)
-            x = xs.to(tl.float32)
-        return x
-
-    @triton.jit
-    def _store_y(y, W, B, Y, rows, cols, mask, col_mask, stride_y,
-                 HAS_W: tl.constexpr, HAS_B: tl.constexpr, TILE: tl.constexpr):
-        # y * weight + bias to Y[rows, cols]; cols is 1-D here (TILE: y is a [BLOCK_M, BLOCK_N] tile)
-        if HAS_W:
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-            y = y * (w[None, :] if TILE else w)
-        if HAS_B:
-            b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
-            y = y + (b[None, :] if TILE else b)
-        tl.store(Y + rows * stride_y + (cols[None, :] if TILE else cols), y.to(Y.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _load_xhat(xs_ptr, dy_ptr, mask, mean, rstd, NO_MEAN: tl.constexpr, EVICT: tl.constexpr):
-        # fp32 (dy, xhat) with xhat = (xsum - mean) * rstd, 0 outside mask (NO_MEAN: xsum * rstd,
-        # RMSNorm row tiles, whose masked-off xsum is 0 already)
-        xs = tl.load(xs_ptr, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        dy = tl.load(dy_ptr, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        return dy, (xs * rstd if NO_MEAN else tl.where(mask, (xs - mean) * rstd, 0.0))
-
-    @triton.jit
-    def _row_sums(xs_row, dy_row, W, cc, N, mean, rstd, c1, c2, HAS_W: tl.constexpr, EVICT: tl.constexpr):
-        # (c1 + sum(g * xhat), c2 + sum(g)) over the columns cc of one row
-        cm = cc < N
-        dy_c, xhat_c = _load_xhat(xs_row + cc, dy_row + cc, cm, mean, rstd, False, EVICT)
-        g_c = dy_c * tl.load(W + cc, mask=cm, other=0.0).to(tl.float32) if HAS_W else dy_c
-        return c1 + tl.sum(g_c * xhat_c, axis=0), c2 + tl.sum(g_c, axis=0)
-
-    @triton.jit
-    def _store_dx(g, xhat, c1, c2, rstd, DXE, DX, rows, cols, mask, stride_dxe, stride_dx,
-                  IS_RMS: tl.constexpr, HAS_DXE: tl.constexpr):
-        # dx = rstd * (g - xhat * c1 - c2) (RMSNorm: no c2) + dxsum_extra, to DX[rows, cols]
-        dx = g - xhat * c1
-        if not IS_RMS:
-            dx -= c2
-        dx = dx * rstd
-        if HAS_DXE:
-            dx += tl.load(DXE + rows * stride_dxe + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + rows * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _row_ptrs(DY, XS, MEAN, RSTD, row, stride_dy, stride_xs, IS_RMS: tl.constexpr):
-        # one row: (row as int64, xsum row pointer, dy row pointer, mean (0 for RMSNorm), rstd)
-        row64 = tl.cast(row, tl.int64)
-        mean = 0.0 if IS_RMS else tl.load(MEAN + row)
-        return row64, XS + row64 * stride_xs, DY + row64 * stride_dy, mean, tl.load(RSTD + row)
-
-    @triton.jit
-    def _acc_partials(dw, db, dy, xhat, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr):
-        if NEED_DW:
-            dw += dy * xhat
-        if NEED_DB:
-            db += dy
-        return dw, db
-
-    @triton.jit
-    def _store_partials(DW_PART, DB_PART, part, dw, db, mask,
-                        NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, SUM_ROWS: tl.constexpr):
-        # this program's dweight/dbias partials at offsets part (SUM_ROWS: sum a tile's rows first)
-        if NEED_DW:
-            tl.store(DW_PART + part, tl.sum(dw, axis=0) if SUM_ROWS else dw, mask=mask)
-        if NEED_DB:
-            tl.store(DB_PART + part, tl.sum(db, axis=0) if SUM_ROWS else db, mask=mask)
+    from .norm_jit import (acc_partials, affine, load_xhat, load_xsum, row_ptrs, row_sums, store_dx, store_partials,
+                           store_y)
 
     # ---- kernels
 
@@ -139,8 +64,10 @@ if HAS_TRITON:
         W, B,  # [N]: weight (HAS_W), bias (HAS_B)
         MEAN, RSTD,  # [n_rows] fp32 out (MEAN written only when not IS_RMS)
         n_rows, N, stride_x, stride_r, stride_xs, stride_y, eps,
+        Q, QT, QSCALE, AMAX,  # FP8 output (see fp8_cast.fp8_epilogue; OUT_MODE 0: unused)
         IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
         LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        OUT_MODE: tl.constexpr, HAS_QT: tl.constexpr, FMAX: tl.constexpr, SOFT_ROUND: tl.constexpr,
     ):
         if not LOOP:
             # One [BLOCK_M, BLOCK_N] tile per program: BLOCK_M whole rows (BLOCK_N >= N).
@@ -150,7 +77,7 @@ if HAS_TRITON:
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
             rows64 = rows.to(tl.int64)[:, None]
-            x = _load_xsum(X, R, XS, rows64, cols[None, :], mask, stride_x, stride_r, stride_xs, HAS_RES, True)
+            x = load_xsum(X, R, XS, rows64, cols[None, :], mask, stride_x, stride_r, stride_xs, HAS_RES, True)
             if IS_RMS:
                 xc = x
             else:
@@ -160,7 +87,12 @@ if HAS_TRITON:
             var = tl.sum(xc * xc, axis=1) / N
             rstd = 1.0 / tl.sqrt(var + eps)
             tl.store(RSTD + rows, rstd, mask=row_mask)
-            _store_y(xc * rstd[:, None], W, B, Y, rows64, cols, mask, col_mask, stride_y, HAS_W, HAS_B, True)
+            if OUT_MODE == 0:
+                store_y(xc * rstd[:, None], W, B, Y, rows64, cols, mask, col_mask, stride_y, HAS_W, HAS_B, True)
+            else:
+                y = affine(xc * rstd[:, None], W, B, cols, col_mask, HAS_W, HAS_B, True)
+                fp8_epilogue(y, mask, rows.to(tl.int64), cols.to(tl.int64), n_rows, N, Y, Q, QT, QSCALE, AMAX,
+                             OUT_MODE, HAS_QT, FMAX, SOFT_ROUND)
         else:
             # One row per program, N > BLOCK_N: pass 1 accumulates the statistics block by block
             # (Chan's parallel mean/M2 combination for LayerNorm), pass 2 re-reads x (and residual;
@@ -173,7 +105,7 @@ if HAS_TRITON:
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
                 mask = cols < N
-                x = _load_xsum(X, R, XS, row64, cols, mask, stride_x, stride_r, stride_xs, HAS_RES, False)
+                x = load_xsum(X, R, XS, row64, cols, mask, stride_x, stride_r, stride_xs, HAS_RES, False)
                 if IS_RMS:
                     m2 += tl.sum(x * x, axis=0)
                 else:
@@ -193,9 +125,14 @@ if HAS_TRITON:
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
                 mask = cols < N
-                x = _load_xsum(X, R, XS, row64, cols, mask, stride_x, stride_r, stride_xs, HAS_RES, True)
+                x = load_xsum(X, R, XS, row64, cols, mask, stride_x, stride_r, stride_xs, HAS_RES, True)
                 y = x * rstd if IS_RMS else (x - mean) * rstd
-                _store_y(y, W, B, Y, row64, cols, mask, mask, stride_y, HAS_W, HAS_B, False)
+                if OUT_MODE == 0:
+                    store_y(y, W, B, Y, row64, cols, mask, mask, stride_y, HAS_W, HAS_B, False)
+                else:  # as a [1, BLOCK_N] tile
+                    y = affine(y, W, B, cols, mask, HAS_W, HAS_B, False)
+                    fp8_epilogue(y[None, :], mask[None, :], tl.zeros([1], tl.int64) + row64, cols.to(tl.int64),
+                                 n_rows, N, Y, Q, QT, QSCALE, AMAX, OUT_MODE, HAS_QT, FMAX, SOFT_ROUND)
 
     @triton.jit
     def _norm_bwd_kernel(
@@ -235,22 +172,22 @@ if HAS_TRITON:
                     mean = tl.zeros([BLOCK_M], dtype=tl.float32)
                 else:
                     mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-                dy, xhat = _load_xhat(xs_p, dy_p, mask, mean[:, None], rstd[:, None], IS_RMS, "evict_last")
+                dy, xhat = load_xhat(xs_p, dy_p, mask, mean[:, None], rstd[:, None], IS_RMS, "evict_last")
                 if HAS_W and RELOAD:
                     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
                 g = dy * w[None, :] if HAS_W else dy
                 c1 = tl.sum(g * xhat, axis=1) / N
                 c2 = tl.sum(g, axis=1) / N
                 if RELOAD:  # second load: a different cache hint keeps it from being merged with the first
-                    dy, xhat = _load_xhat(xs_p, dy_p, mask, mean[:, None], rstd[:, None], IS_RMS, "evict_first")
+                    dy, xhat = load_xhat(xs_p, dy_p, mask, mean[:, None], rstd[:, None], IS_RMS, "evict_first")
                     if HAS_W:
                         w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
                     g = dy * w[None, :] if HAS_W else dy
-                _store_dx(g, xhat, c1[:, None], c2[:, None], rstd[:, None], DXE, DX, rows64, cols[None, :], mask,
+                store_dx(g, xhat, c1[:, None], c2[:, None], rstd[:, None], DXE, DX, rows64, cols[None, :], mask,
                           stride_dxe, stride_dx, IS_RMS, HAS_DXE)
-                dw_acc, db_acc = _acc_partials(dw_acc, db_acc, dy, xhat, NEED_DW, NEED_DB)
+                dw_acc, db_acc = acc_partials(dw_acc, db_acc, dy, xhat, NEED_DW, NEED_DB)
             part = pid.to(tl.int64) * N + cols
-            _store_partials(DW_PART, DB_PART, part, dw_acc, db_acc, col_mask, NEED_DW, NEED_DB, True)
+            store_partials(DW_PART, DB_PART, part, dw_acc, db_acc, col_mask, NEED_DW, NEED_DB, True)
         elif VARIANT == "halves":
             # Persistent, one row at a time, N <= 2 * BLOCK_N (BLOCK_N is half a row): the row sums
             # come from both halves (values die), then each half is re-loaded (L1/L2 hit) for dx and
@@ -267,29 +204,29 @@ if HAS_TRITON:
             db0 = tl.zeros([BLOCK_N], dtype=tl.float32)
             db1 = tl.zeros([BLOCK_N], dtype=tl.float32)
             for row in range(pid, n_rows, nprog):
-                row64, xs_r, dy_r, mean, rstd = _row_ptrs(DY, XS, MEAN, RSTD, row, stride_dy, stride_xs, IS_RMS)
+                row64, xs_r, dy_r, mean, rstd = row_ptrs(DY, XS, MEAN, RSTD, row, stride_dy, stride_xs, IS_RMS)
                 c1 = 0.0
                 c2 = 0.0
                 for h in tl.static_range(2):
-                    c1, c2 = _row_sums(xs_r, dy_r, W, c0 + h * BLOCK_N, N, mean, rstd, c1, c2, HAS_W, "evict_last")
+                    c1, c2 = row_sums(xs_r, dy_r, W, c0 + h * BLOCK_N, N, mean, rstd, c1, c2, HAS_W, "evict_last")
                 c1 = c1 / N
                 c2 = c2 / N
                 for h in tl.static_range(2):
                     cc = c0 + h * BLOCK_N
                     cm = cc < N
-                    dy_c, xhat_c = _load_xhat(xs_r + cc, dy_r + cc, cm, mean, rstd, False, "evict_first")
+                    dy_c, xhat_c = load_xhat(xs_r + cc, dy_r + cc, cm, mean, rstd, False, "evict_first")
                     if HAS_W:
                         g_c = dy_c * tl.load(W + cc, mask=cm, other=0.0, eviction_policy="evict_last").to(tl.float32)
                     else:
                         g_c = dy_c
-                    _store_dx(g_c, xhat_c, c1, c2, rstd, DXE, DX, row64, cc, cm, stride_dxe, stride_dx, IS_RMS, HAS_DXE)
+                    store_dx(g_c, xhat_c, c1, c2, rstd, DXE, DX, row64, cc, cm, stride_dxe, stride_dx, IS_RMS, HAS_DXE)
                     if h == 0:
-                        dw0, db0 = _acc_partials(dw0, db0, dy_c, xhat_c, NEED_DW, NEED_DB)
+                        dw0, db0 = acc_partials(dw0, db0, dy_c, xhat_c, NEED_DW, NEED_DB)
                     else:
-                        dw1, db1 = _acc_partials(dw1, db1, dy_c, xhat_c, NEED_DW, NEED_DB)
+                        dw1, db1 = acc_partials(dw1, db1, dy_c, xhat_c, NEED_DW, NEED_DB)
             part = pid.to(tl.int64) * N
-            _store_partials(DW_PART, DB_PART, part + c0, dw0, db0, m0, NEED_DW, NEED_DB, False)
-            _store_partials(DW_PART, DB_PART, part + c1s, dw1, db1, m1, NEED_DW, NEED_DB, False)
+            store_partials(DW_PART, DB_PART, part + c0, dw0, db0, m0, NEED_DW, NEED_DB, False)
+            store_partials(DW_PART, DB_PART, part + c1s, dw1, db1, m1, NEED_DW, NEED_DB, False)
         else:  # "sliced"
             # Wide rows (N > BLOCK_N): grid (num_slices, num_row_programs). Program (s, p) walks rows
             # p, p + P, ...; per row it sums g*xhat and g over the WHOLE row in BLOCK_N chunks (the
@@ -306,29 +243,29 @@ if HAS_TRITON:
             dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             for row in range(pid, n_rows, nprog):
-                row64, xs_r, dy_r, mean, rstd = _row_ptrs(DY, XS, MEAN, RSTD, row, stride_dy, stride_xs, IS_RMS)
+                row64, xs_r, dy_r, mean, rstd = row_ptrs(DY, XS, MEAN, RSTD, row, stride_dy, stride_xs, IS_RMS)
                 c1 = 0.0
                 c2 = 0.0
                 for off in range(0, N, BLOCK_N):
-                    c1, c2 = _row_sums(xs_r, dy_r, W, off + tl.arange(0, BLOCK_N), N, mean, rstd, c1, c2, HAS_W, "")
+                    c1, c2 = row_sums(xs_r, dy_r, W, off + tl.arange(0, BLOCK_N), N, mean, rstd, c1, c2, HAS_W, "")
                 c1 = c1 / N
                 c2 = c2 / N
-                dy, xhat = _load_xhat(xs_r + cols, dy_r + cols, col_mask, mean, rstd, False, "evict_first")
+                dy, xhat = load_xhat(xs_r + cols, dy_r + cols, col_mask, mean, rstd, False, "evict_first")
                 g = dy * w if HAS_W else dy
-                _store_dx(g, xhat, c1, c2, rstd, DXE, DX, row64, cols, col_mask, stride_dxe, stride_dx, IS_RMS, HAS_DXE)
-                dw_acc, db_acc = _acc_partials(dw_acc, db_acc, dy, xhat, NEED_DW, NEED_DB)
+                store_dx(g, xhat, c1, c2, rstd, DXE, DX, row64, cols, col_mask, stride_dxe, stride_dx, IS_RMS, HAS_DXE)
+                dw_acc, db_acc = acc_partials(dw_acc, db_acc, dy, xhat, NEED_DW, NEED_DB)
             part = pid.to(tl.int64) * N + cols
-            _store_partials(DW_PART, DB_PART, part, dw_acc, db_acc, col_mask, NEED_DW, NEED_DB, False)
+            store_partials(DW_PART, DB_PART, part, dw_acc, db_acc, col_mask, NEED_DW, NEED_DB, False)
 
 
 # ---- launchers
 
 
-def _fwd_outputs(x: torch.Tensor, residual: Optional[torch.Tensor], is_rms: bool):
+def _fwd_outputs(x: torch.Tensor, residual: Optional[torch.Tensor], is_rms: bool, with_y: bool = True):
     """Fresh (y, mean, rstd, xsum) of the forward (real or fake tensors): mean and rstd fp32 [rows];
-    a [0] placeholder for mean (RMSNorm) and for xsum (no residual)."""
+    a [0] placeholder for mean (RMSNorm) and for xsum (no residual); y None without ``with_y``."""
     rows = math.prod(x.shape[:-1])
-    y, rstd = x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32)
+    y, rstd = x.new_empty(x.shape) if with_y else None, x.new_empty(rows, dtype=torch.float32)
     mean = rstd.new_empty(0 if is_rms else rows)
     return y, mean, rstd, x.new_empty(x.shape if residual is not None else 0)
 
@@ -336,21 +273,32 @@ def _fwd_outputs(x: torch.Tensor, residual: Optional[torch.Tensor], is_rms: bool
 _GEOMETRY = geometry_cache()  # launch geometry per (direction, shapes, strides, dtypes, flags, device)
 
 
-def _fwd_geometry(key, x, weight, bias, residual, is_rms):
+def _fwd_geometry(key, x, weight, bias, residual, is_rms, fp8):
     n = x.shape[-1]
     rows = math.prod(x.shape[:-1])
     loop, block_m, block_n, warps = cfg._fwd_config(n, rows, residual is not None)
     meta = dict(IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-                LOOP=loop, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+                LOOP=loop, BLOCK_M=block_m, BLOCK_N=block_n, OUT_MODE=fp8[0], HAS_QT=fp8[2],
+                FMAX=FP8_MAX_OF.get(fp8[1], 448.0), SOFT_ROUND=interpreter_enabled(), num_warps=warps)
     return remember(_GEOMETRY, key, (rows, n, (cdiv(rows, block_m),), meta))
 
 
-def _norm_fwd_launch(x, weight, bias, eps, residual, is_rms):
-    """Triton forward. Returns (y, mean, rstd, xsum) with mean/xsum a [0] placeholder when unused."""
+_PLAIN = (0, None, False)  # fp8 output spec (OUT_MODE, fp8 dtype, transposed) of a plain call
+
+
+def _norm_fwd_launch(x, weight, bias, eps, residual, is_rms, fp8=_PLAIN, qscale=None, amax=None):
+    """Triton forward. Returns (y, mean, rstd, xsum) with mean/xsum a [0] placeholder when unused.
+    ``fp8``: as in :func:`fusible_ops.kernels.activation._act_fwd_launch`; OUT_MODE 2 returns
+    ``(q, qt)`` in place of y."""
     key = ("fwd", x.shape, x.stride(), x.dtype, x.device, _meta_of(weight), _meta_of(bias),
-           None if residual is None else (residual.stride(), residual.dtype), is_rms)
-    rows, n, grid, meta = _GEOMETRY.get(key) or _fwd_geometry(key, x, weight, bias, residual, is_rms)
-    y, mean, rstd, xsum = _fwd_outputs(x, residual, is_rms)
+           None if residual is None else (residual.stride(), residual.dtype), is_rms, fp8)
+    rows, n, grid, meta = _GEOMETRY.get(key) or _fwd_geometry(key, x, weight, bias, residual, is_rms, fp8)
+    y, mean, rstd, xsum = _fwd_outputs(x, residual, is_rms, fp8[0] != 2)
+    mode, qdtype, transposed = fp8
+    if mode == 2:
+        q = torch.empty(rows, n, dtype=qdtype, device=x.device)
+        qt = torch.empty(n, rows, dtype=qdtype, device=x.device) if transposed else None
+        y = (q, qt)
     if rows == 0:
         return y, mean, rstd, xsum
     if n == 0:  # statistics of an empty row, as torch computes them
@@ -360,9 +308,10 @@ def _norm_fwd_launch(x, weight, bias, eps, residual, is_rms):
     x2 = as_rows(x)
     r2 = as_rows(residual) if residual is not None else x2
     xs2 = xsum.view(rows, n) if residual is not None else x2
-    y2 = y.view(rows, n)
+    y2 = y.view(rows, n) if mode != 2 else x2  # (mode 2: a dtype carrier)
+    fp8_args = (q, qt if transposed else q, qscale, amax) if mode == 2 else (y2, y2, x2, amax if mode else x2)
     _FWD(grid, key, (x2, r2, xs2, y2, _c(weight, x2), _c(bias, x2), mean if not is_rms else rstd, rstd,
-                     rows, n, x2.stride(0), r2.stride(0), xs2.stride(0), y2.stride(0), float(eps)), meta)
+                     rows, n, x2.stride(0), r2.stride(0), xs2.stride(0), y2.stride(0), float(eps), *fp8_args), meta)
     return y, mean, rstd, xsum
 
 
@@ -575,7 +524,28 @@ def rmsnorm_bwd(dy, xsum, weight, rstd, need_dweight, dxsum_extra=None):
     return rmsnorm_bwd_ref(dy, xsum, weight, rstd, need_dweight, dxsum_extra)
 
 
+def norm_fwd_fp8(x, weight, bias, eps, residual=None, *, is_rms: bool, amax: torch.Tensor,
+                 scale: Optional[torch.Tensor] = None, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                 transposed: bool = False):
+    """:func:`layernorm_fwd` (``is_rms=False``) or :func:`rmsnorm_fwd` (``bias`` None) whose one pass
+    also serves an FP8 consumer, as :func:`fusible_ops.kernels.activation.bias_act_fwd_fp8`:
+    returns ``(out, mean, rstd, xsum)`` (mean None for RMSNorm) with ``out`` y (``amax`` raised to
+    max|y|) without ``scale``, else ``(q, qt)`` (y is never written)."""
+    fn = "rmsnorm_fwd" if is_rms else "layernorm_fwd"
+    _check(fn, x, residual, weight=weight, bias=bias)
+    if x.dtype in TRITON_DTYPES and use_triton(x, weight, bias, residual):
+        fp8 = (2, fp8_dtype, bool(transposed)) if scale is not None else (1, None, False)
+        out, mean, rstd, xsum = _norm_fwd_launch(x, weight, bias, float(eps), residual, is_rms, fp8, scale, amax)
+        return out, (None if is_rms else mean), rstd, (xsum if residual is not None else x)
+    if is_rms:
+        y, rstd, xsum = rmsnorm_fwd_ref(x, weight, eps, residual)
+        mean = None
+    else:
+        y, mean, rstd, xsum = layernorm_fwd_ref(x, weight, bias, eps, residual)
+    return fp8_epilogue_ref(y, amax, scale, fp8_dtype, transposed), mean, rstd, xsum
+
+
 __all__ = [
     "layernorm_bwd", "layernorm_bwd_ref", "layernorm_fwd", "layernorm_fwd_ref",
-    "rmsnorm_bwd", "rmsnorm_bwd_ref", "rmsnorm_fwd", "rmsnorm_fwd_ref",
+    "norm_fwd_fp8", "rmsnorm_bwd", "rmsnorm_bwd_ref", "rmsnorm_fwd", "rmsnorm_fwd_ref",
 ]

@@ -43,13 +43,47 @@ class _Norm(BasicOperation):
         """Raise a clear error if ``x`` cannot be this norm's input."""
         check_input(self, x, features=self.size, like=self.weight, same_dtype=False)
 
-    def norm_forward(self, ctx, x: torch.Tensor, residual=None):
-        """Run the (optionally residual-fused) forward and fill ``ctx``. Returns (y, xsum)."""
-        raise NotImplementedError
+    writes_fp8_output = True  # serves a following FP8 linear from its own kernel (see norm_forward)
+    _IS_RMS = False
+
+    def norm_forward(self, ctx, x: torch.Tensor, residual=None, quant=None):
+        """Run the (optionally residual-fused) forward and fill ``ctx``. Returns (y, xsum). With
+        ``quant`` (the next FP8 linear's :class:`~fusible_ops.quantization.InputQuantizer`) y is
+        that linear's FP8 input, written by the norm kernel itself."""
+        y, mean, rstd, xsum = self._run(x, residual, quant)
+        if ctx.requires_grad:
+            ctx.save_for_backward(xsum, self.weight, mean, rstd)
+            ctx.weight_grad = self.weight.requires_grad
+            if not self._IS_RMS:
+                ctx.bias_grad = self.bias.requires_grad
+        return y, xsum
+
+    def _run(self, x, residual, quant):
+        """(y, mean or None, rstd, xsum) of the kernels."""
+        rms, bias = self._IS_RMS, (None if self._IS_RMS else self.bias)
+
+        def plain():
+            if rms:
+                y, rstd, xsum = _K.rmsnorm_fwd(x, self.weight, self.eps, residual)
+                return y, None, rstd, xsum
+            return _K.layernorm_fwd(x, self.weight, bias, self.eps, residual)
+
+        if quant is None:
+            return plain()
+        stats = []
+
+        def run(amax=None, **fp8):
+            out = plain() if amax is None else _K.norm_fwd_fp8(x, self.weight, bias, self.eps, residual, is_rms=rms,
+                                                                 amax=amax, **fp8)
+            stats.append(out)
+            return out[0]
+
+        y = quant.produce(run, x)
+        return (y,) + tuple(stats[0][1:])
 
     def op_forward(self, ctx, x, **kwargs):
         self.check_input(x)
-        y, _ = self.norm_forward(ctx, x)
+        y, _ = self.norm_forward(ctx, x, quant=kwargs.get("next_op_input_quantizer"))
         return y
 
     def op_backward(self, ctx, dy):
@@ -61,14 +95,6 @@ class LayerNorm(_Norm):
 
     def __init__(self, size: int, eps: float = 1e-5, *, device=None, dtype=None) -> None:
         super().__init__(size, eps, device=device, dtype=dtype, bias=True)
-
-    def norm_forward(self, ctx, x, residual=None):
-        y, mean, rstd, xsum = _K.layernorm_fwd(x, self.weight, self.bias, self.eps, residual)
-        if ctx.requires_grad:
-            ctx.save_for_backward(xsum, self.weight, mean, rstd)
-            ctx.weight_grad = self.weight.requires_grad
-            ctx.bias_grad = self.bias.requires_grad
-        return y, xsum
 
     def norm_backward(self, ctx, dy, dxsum_extra=None):
         xsum, w, mean, rstd = ctx.saved_tensors
@@ -84,15 +110,10 @@ class LayerNorm(_Norm):
 class RMSNorm(_Norm):
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim of size ``size``."""
 
+    _IS_RMS = True
+
     def __init__(self, size: int, eps: float = 1e-5, *, device=None, dtype=None) -> None:
         super().__init__(size, eps, device=device, dtype=dtype, bias=False)
-
-    def norm_forward(self, ctx, x, residual=None):
-        y, rstd, xsum = _K.rmsnorm_fwd(x, self.weight, self.eps, residual)
-        if ctx.requires_grad:
-            ctx.save_for_backward(xsum, self.weight, None, rstd)
-            ctx.weight_grad = self.weight.requires_grad
-        return y, xsum
 
     def norm_backward(self, ctx, dy, dxsum_extra=None):
         xsum, w, _, rstd = ctx.saved_tensors

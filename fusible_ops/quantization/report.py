@@ -53,7 +53,7 @@ def fp8_lines(ops, recipe, producers=frozenset()) -> list[str]:
                        "in this op")
             else:
                 src = (f"input: standalone cast ({_fmt(recipe, 'input')}) in this op; the producer "
-                       f"[{i - 1}] {type(prev).__name__} does not write FP8 itself yet")
+                       f"[{i - 1}] {type(prev).__name__} does not write FP8 itself")
             extra = ""
             if isinstance(recipe, Float8BlockScaling) and (op.in_features % 512 or op.out_features % 512):
                 extra = ("; on CUDA a 128x128-scaled GEMM with a reduction dim not a multiple of 512 runs as emulation "

@@ -173,3 +173,39 @@ def test_activation_fp8_epilogue_matches_unfused_cast(kind, gated, delayed):
                 y1 = A.bias_act_fwd_fp8(x, b, kind, amax=amax)
                 assert torch.equal(y1, y), mode
             assert torch.equal(amax, C.tensor_amax(y)), mode
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
+@pytest.mark.parametrize("loop", [False, True], ids=["rows", "loop"])
+@pytest.mark.parametrize("delayed", [False, True], ids=["amax", "fp8"])
+def test_norm_fp8_epilogue_matches_unfused_cast(rms, residual, loop, delayed, monkeypatch):
+    from fusible_ops.kernels import norm as Nk
+    from fusible_ops.kernels import norm_config as NC
+
+    if loop:  # the wide-row variant on a small N
+        monkeypatch.setattr(NC, "_FWD_MAX_FUSED_N", 16)
+        monkeypatch.setattr(NC, "_FWD_NORES_MAX_FUSED_N", 16)
+        monkeypatch.setattr(NC, "_FWD_LOOP_BLOCK_N", 32)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(21, 80, generator=g).to(DEV, torch.bfloat16)
+    res = torch.randn(21, 80, generator=g).to(DEV, torch.bfloat16) if residual else None
+    w = torch.rand(80, generator=g).to(DEV) + 0.5
+    b = None if rms else torch.randn(80, generator=g).to(DEV)
+    for mode in ("triton", "reference"):
+        with kernels.use(mode):
+            if rms:
+                y, rstd, xsum = Nk.rmsnorm_fwd(x, w, 1e-5, res)
+            else:
+                y, mean, rstd, xsum = Nk.layernorm_fwd(x, w, b, 1e-5, res)
+            amax = torch.zeros(1, device=DEV)
+            scale = torch.full((1,), 5.0, device=DEV) if delayed else None
+            out, mean2, rstd2, xsum2 = Nk.norm_fwd_fp8(x, w, b, 1e-5, res, is_rms=rms, amax=amax, scale=scale,
+                                                         transposed=True)
+            assert torch.equal(rstd2, rstd) and torch.equal(xsum2, xsum), mode
+            if delayed:
+                q, qt = C.cast_tensor(y, scale, E4M3, True)
+                assert torch.equal(_bytes(out[0]), _bytes(q)) and torch.equal(_bytes(out[1]), _bytes(qt)), mode
+            else:
+                assert torch.equal(out, y), mode
+            assert torch.equal(amax, C.tensor_amax(y)), mode
