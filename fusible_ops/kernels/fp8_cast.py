@@ -74,6 +74,14 @@ if HAS_TRITON:
         return y.to(dtype)
 
     @triton.jit
+    def _store_t(QT, xs, r64, c64, ld, mask, FMAX: tl.constexpr, SOFT_ROUND: tl.constexpr):
+        # fp8(xs) (xs: the already scaled fp32 tile at rows r64 x cols c64) transposed to QT[c, r] with
+        # row stride ld. The fp32 tile is transposed before the conversion: transposing the 8-bit
+        # tile gave wrong bytes with Triton 3.6 on sm_90 for fp32 inputs (H200, 2026-11-24).
+        tl.store(QT + c64[:, None] * ld + r64[None, :], _to_fp8(tl.trans(xs), 1.0, FMAX, QT.dtype.element_ty, SOFT_ROUND),
+                 mask=tl.trans(mask))
+
+    @triton.jit
     def fp8_epilogue(y, mask, rows64, cols64, n_rows, n_cols, Y, Q, QT, QSCALE, AMAX,
                      OUT_MODE: tl.constexpr, HAS_QT: tl.constexpr, FMAX: tl.constexpr, SOFT_ROUND: tl.constexpr):
         # A producer kernel's output store (y: fp32 [R, C] tile at rows64 x cols64 of an [n_rows,
@@ -83,10 +91,11 @@ if HAS_TRITON:
         # max|y| into AMAX (delayed scaling's history entry). Y is only a dtype carrier in mode 2.
         yr = y.to(Y.dtype.element_ty)
         if OUT_MODE == 2:
-            q = _to_fp8(yr.to(tl.float32), tl.load(QSCALE), FMAX, Q.dtype.element_ty, SOFT_ROUND)
+            qscale = tl.load(QSCALE)
+            q = _to_fp8(yr.to(tl.float32), qscale, FMAX, Q.dtype.element_ty, SOFT_ROUND)
             tl.store(Q + rows64[:, None] * n_cols + cols64[None, :], q, mask=mask)
             if HAS_QT:
-                tl.store(QT + cols64[:, None] * n_rows + rows64[None, :], tl.trans(q), mask=tl.trans(mask))
+                _store_t(QT, yr.to(tl.float32) * qscale, rows64, cols64, n_rows, mask, FMAX, SOFT_ROUND)
         else:
             tl.store(Y + rows64[:, None] * n_cols + cols64[None, :], yr, mask=mask)
         if OUT_MODE >= 1:
@@ -109,7 +118,7 @@ if HAS_TRITON:
         q = _to_fp8(x, scale, FMAX, Q.dtype.element_ty, SOFT_ROUND)
         tl.store(Q + r64[:, None] * N + c64[None, :], q, mask=mask)
         if HAS_T:
-            tl.store(QT + c64[:, None] * M + r64[None, :], tl.trans(q), mask=tl.trans(mask))
+            _store_t(QT, x * scale, r64, c64, M, mask, FMAX, SOFT_ROUND)
         if HAS_AMAX:
             tl.atomic_max(AMAX, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
@@ -157,8 +166,7 @@ if HAS_TRITON:
                 amax = tl.maximum(amax, tl.max(ax, axis=1))
                 if not SQUARE:  # the column-wise copy: each column's scale is complete in its chunk
                     scale_t = _scale_of(tl.max(ax, axis=0), FMAX, POW2)
-                    qt = _to_fp8(x, scale_t[None, :], FMAX, QT.dtype.element_ty, SOFT_ROUND)
-                    tl.store(QT + c64[:, None] * M + r64[None, :], tl.trans(qt), mask=tl.trans(mask))
+                    _store_t(QT, x * scale_t[None, :], r64, c64, M, mask, FMAX, SOFT_ROUND)
                     tl.store(ST + c64 * stride_st0 + bm * stride_st1, _inv(scale_t), mask=cols < N)
             if SQUARE:
                 scale = _scale_of(tl.max(amax, axis=0), FMAX, POW2)
@@ -175,7 +183,7 @@ if HAS_TRITON:
                 q = _to_fp8(x, scale, FMAX, Q.dtype.element_ty, SOFT_ROUND)
                 tl.store(Q + r64[:, None] * N + c64[None, :], q, mask=mask)
                 if SQUARE and HAS_T:
-                    tl.store(QT + c64[:, None] * M + r64[None, :], tl.trans(q), mask=tl.trans(mask))
+                    _store_t(QT, x * scale, r64, c64, M, mask, FMAX, SOFT_ROUND)
 
 
 # ---- shared pieces of launchers and refs

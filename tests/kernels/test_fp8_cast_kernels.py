@@ -14,7 +14,7 @@ from fusible_ops import kernels
 from fusible_ops.kernels import fp8_cast as C
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # cpu: the interpreter
 
 
 def _bytes(t):
@@ -133,9 +133,10 @@ def test_pow2_scales_are_powers_of_two():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-def test_gpu_cast_tensor_bit_exact(dtype):
-    _check_tensor(_x((1000, 4100), torch.bfloat16, device="cuda"), dtype)
+def test_gpu_cast_tensor_bit_exact(dtype, xdtype):
+    _check_tensor(_x((1000, 4100), xdtype, device="cuda"), dtype)
     x = _edge_values(dtype).reshape(1, -1).cuda()
     q1, _ = C.cast_tensor(x, torch.ones(1, device="cuda"), dtype)
     q2, _ = C.cast_tensor_ref(x, torch.ones(1, device="cuda"), dtype)
@@ -143,29 +144,32 @@ def test_gpu_cast_tensor_bit_exact(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("square", [False, True], ids=["1x128", "128x128"])
 @pytest.mark.parametrize("pow2", [False, True], ids=["exact", "pow2"])
-def test_gpu_cast_block_bit_exact(square, pow2):
-    _check_block(_x((1000, 4100), torch.bfloat16, device="cuda"), square, pow2)
+def test_gpu_cast_block_bit_exact(square, pow2, xdtype):
+    _check_block(_x((1000, 4100), xdtype, device="cuda"), square, pow2)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind,gated", [("gelu", False), ("swiglu", True)])
 @pytest.mark.parametrize("delayed", [False, True], ids=["amax", "fp8"])
-def test_activation_fp8_epilogue_matches_unfused_cast(kind, gated, delayed):
+def test_activation_fp8_epilogue_matches_unfused_cast(kind, gated, delayed, device):
     """bias_act_fwd_fp8 (the activation kernel's FP8 epilogue) gives the bytes, transposed copy and
     amax of bias_act_fwd followed by a standalone cast: on the interpreter and on the ref path."""
     from fusible_ops.kernels import activation as A
 
     g = torch.Generator().manual_seed(7)
     n = 96
-    x = torch.randn(37, 2 * n if gated else n, generator=g).to(DEV, torch.bfloat16)
-    b = torch.randn(x.shape[-1], generator=g).to(DEV, torch.bfloat16)
+    xdtype = torch.float32 if delayed else torch.bfloat16  # both input dtypes through the epilogue
+    x = torch.randn(37, 2 * n if gated else n, generator=g).to(device, xdtype)
+    b = torch.randn(x.shape[-1], generator=g).to(device, xdtype)
     for mode in ("triton", "reference"):
         with kernels.use(mode):
             y = A.bias_act_fwd(x, b, kind)
-            amax = torch.zeros(1, device=DEV)
+            amax = torch.zeros(1, device=device)
             if delayed:
-                scale = torch.full((1,), 3.0, device=DEV)
+                scale = torch.full((1,), 3.0, device=device)
                 q, qt = A.bias_act_fwd_fp8(x, b, kind, amax=amax, scale=scale, fp8_dtype=E4M3, transposed=True)
                 q2, qt2 = C.cast_tensor(y, scale, E4M3, True)
                 assert torch.equal(_bytes(q), _bytes(q2)) and torch.equal(_bytes(qt), _bytes(qt2)), mode
@@ -175,11 +179,12 @@ def test_activation_fp8_epilogue_matches_unfused_cast(kind, gated, delayed):
             assert torch.equal(amax, C.tensor_amax(y)), mode
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
 @pytest.mark.parametrize("loop", [False, True], ids=["rows", "loop"])
 @pytest.mark.parametrize("delayed", [False, True], ids=["amax", "fp8"])
-def test_norm_fp8_epilogue_matches_unfused_cast(rms, residual, loop, delayed, monkeypatch):
+def test_norm_fp8_epilogue_matches_unfused_cast(rms, residual, loop, delayed, device, monkeypatch):
     from fusible_ops.kernels import norm as Nk
     from fusible_ops.kernels import norm_config as NC
 
@@ -188,18 +193,18 @@ def test_norm_fp8_epilogue_matches_unfused_cast(rms, residual, loop, delayed, mo
         monkeypatch.setattr(NC, "_FWD_NORES_MAX_FUSED_N", 16)
         monkeypatch.setattr(NC, "_FWD_LOOP_BLOCK_N", 32)
     g = torch.Generator().manual_seed(8)
-    x = torch.randn(21, 80, generator=g).to(DEV, torch.bfloat16)
-    res = torch.randn(21, 80, generator=g).to(DEV, torch.bfloat16) if residual else None
-    w = torch.rand(80, generator=g).to(DEV) + 0.5
-    b = None if rms else torch.randn(80, generator=g).to(DEV)
+    x = torch.randn(21, 80, generator=g).to(device, (torch.float32 if delayed else torch.bfloat16))
+    res = torch.randn(21, 80, generator=g).to(device, torch.bfloat16) if residual else None
+    w = torch.rand(80, generator=g).to(device) + 0.5
+    b = None if rms else torch.randn(80, generator=g).to(device)
     for mode in ("triton", "reference"):
         with kernels.use(mode):
             if rms:
                 y, rstd, xsum = Nk.rmsnorm_fwd(x, w, 1e-5, res)
             else:
                 y, mean, rstd, xsum = Nk.layernorm_fwd(x, w, b, 1e-5, res)
-            amax = torch.zeros(1, device=DEV)
-            scale = torch.full((1,), 5.0, device=DEV) if delayed else None
+            amax = torch.zeros(1, device=device)
+            scale = torch.full((1,), 5.0, device=device) if delayed else None
             out, mean2, rstd2, xsum2 = Nk.norm_fwd_fp8(x, w, b, 1e-5, res, is_rms=rms, amax=amax, scale=scale,
                                                          transposed=True)
             assert torch.equal(rstd2, rstd) and torch.equal(xsum2, xsum), mode
