@@ -297,14 +297,15 @@ def test_dims_not_divisible_raise_clearly():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
-def test_gpu_fp8_mlp_matches_emulation_and_sqnr(recipe):
+def test_gpu_fp8_mlp_matches_emulation_and_sqnr(recipe, dtype):
     if not G.fp8_capable(torch.device("cuda")):
         pytest.skip("needs FP8 tensor cores")
-    seq = _mlp("cuda", torch.bfloat16, h=512, f=1024)
+    seq = _mlp("cuda", dtype, h=512, f=1024)
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(1024, 512, generator=g).to("cuda", torch.bfloat16)
-    dy = torch.randn(1024, 512, generator=g).to("cuda", torch.bfloat16)
+    x = torch.randn(1024, 512, generator=g).to("cuda", dtype)
+    dy = torch.randn(1024, 512, generator=g).to("cuda", dtype)
     y, dx = _run(seq, x, dy, recipe)
     y64, dx64, ref = _float64_reference(seq, x.float(), dy.float())
     fmt = recipe.fp8_format

@@ -194,7 +194,7 @@ def test_norm_fp8_epilogue_matches_unfused_cast(rms, residual, loop, delayed, de
         monkeypatch.setattr(NC, "_FWD_LOOP_BLOCK_N", 32)
     g = torch.Generator().manual_seed(8)
     x = torch.randn(21, 80, generator=g).to(device, (torch.float32 if delayed else torch.bfloat16))
-    res = torch.randn(21, 80, generator=g).to(device, torch.bfloat16) if residual else None
+    res = torch.randn(21, 80, generator=g).to(device, x.dtype) if residual else None
     w = torch.rand(80, generator=g).to(device) + 0.5
     b = None if rms else torch.randn(80, generator=g).to(device)
     for mode in ("triton", "reference"):
