@@ -65,7 +65,7 @@ if HAS_TRITON:
         p,  # fp32 drop probability
         scale,  # fp32 1 / (1 - p)
         SEED,  # [1] int64 dropout seed (read on the device) or dummy
-        Q, QT, QSCALE, AMAX,  # FP8 output (OUT_MODE 2), its transposed copy, fp32 [1] scale, fp32 [1] amax
+        Q, QSCALE, AMAX,  # FP8 output (OUT_MODE 2), fp32 [1] scale, fp32 [1] amax
         ACT: tl.constexpr,
         GATED: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -75,7 +75,6 @@ if HAS_TRITON:
         BLOCK_R: tl.constexpr,
         BLOCK_C: tl.constexpr,
         OUT_MODE: tl.constexpr,  # fp8_epilogue's: 0 plain, 1 plain + amax, 2 FP8 (+ amax)
-        HAS_QT: tl.constexpr,
         FMAX: tl.constexpr,
         SOFT_ROUND: tl.constexpr,
     ):
@@ -101,8 +100,7 @@ if HAS_TRITON:
             y = y * tl.where(keep, scale, 0.0)
         if HAS_SCALES:
             y = y * tl.load(S + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-        fp8_epilogue(y, mask, rows64, cols.to(tl.int64), n_rows, n_out, Y, Q, QT, QSCALE, AMAX,
-                     OUT_MODE, HAS_QT, FMAX, SOFT_ROUND)
+        fp8_epilogue(y, mask, rows64, cols.to(tl.int64), n_rows, n_out, Y, Q, QSCALE, AMAX, OUT_MODE, FMAX, SOFT_ROUND)
 
     @triton.jit
     def _act_bwd_kernel(
@@ -222,7 +220,7 @@ def _rows_of(x: torch.Tensor, asis: bool) -> torch.Tensor:
     return x if asis else as_rows(x)
 
 
-_PLAIN = (0, None, False)  # fp8 output spec (OUT_MODE, fp8 dtype, transposed) of a plain call
+_PLAIN = (0, None)  # fp8 output spec (OUT_MODE, fp8 dtype) of a plain call
 
 
 def _fwd_geometry(key, x, bias, scales, kind, drop, fp8=_PLAIN):
@@ -238,10 +236,10 @@ def _fwd_geometry(key, x, bias, scales, kind, drop, fp8=_PLAIN):
         return _remember(key, (out_shape, True, None, None))
     block_r, block_c, num_warps = elementwise_config(n_rows, n_out)
     grid = (cdiv(n_rows, block_r), cdiv(n_out, block_c))
-    mode, qdtype, transposed = fp8
+    mode, qdtype = fp8
     meta = dict(ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None, DROPOUT=drop,
                 OFF64=needs_int64(n_rows, n_out), BLOCK_R=block_r, BLOCK_C=block_c, OUT_MODE=mode,
-                HAS_QT=transposed, FMAX=FP8_MAX_OF.get(qdtype, 448.0), SOFT_ROUND=interpreter_enabled(),
+                FMAX=FP8_MAX_OF.get(qdtype, 448.0), SOFT_ROUND=interpreter_enabled(),
                 num_warps=num_warps)
     asis = x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] <= 1)
     return _remember(key, (out_shape, asis, grid, meta))
@@ -249,31 +247,27 @@ def _fwd_geometry(key, x, bias, scales, kind, drop, fp8=_PLAIN):
 
 def _act_fwd_launch(x, bias, scales, kind, dropout_p, seed, fp8=_PLAIN, qscale=None, amax=None):
     """seed: [1] int64 tensor on x's device when dropout_p > 0, else None. ``fp8``: (OUT_MODE,
-    fp8 dtype, transposed) of :func:`fusible_ops.kernels.fp8_cast.fp8_epilogue`; mode 2 returns
-    ``(q [rows, n_out], qt or None)``, modes 0 and 1 return y."""
+    fp8 dtype) of :func:`fusible_ops.kernels.fp8_cast.fp8_epilogue`; mode 2 returns the FP8 bytes
+    q [rows, n_out], modes 0 and 1 return y."""
     drop = dropout_p > 0.0
     key = ("fwd", x.shape, x.stride(), x.dtype, x.device, kind, None if bias is None else (bias.shape, bias.dtype),
            None if scales is None else (scales.shape, scales.dtype), drop, fp8)
     geo = _GEOMETRY.get(key) or _fwd_geometry(key, x, bias, scales, kind, drop, fp8)
     out_shape, asis, grid, meta = geo
-    mode, qdtype, transposed = fp8
+    mode, qdtype = fp8
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if mode == 2:
-        y = q = torch.empty(n_rows, out_shape[-1], dtype=qdtype, device=x.device)
-        qt = torch.empty(out_shape[-1], n_rows, dtype=qdtype, device=x.device) if transposed else None
+        y = torch.empty(n_rows, out_shape[-1], dtype=qdtype, device=x.device)
     else:
         y = x.new_empty(out_shape)
     if grid is not None:
         x2 = _rows_of(x, asis)  # a view when possible (column stride must be 1), else a copy
         bias_c = bias.contiguous() if bias is not None else x2
         scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
-        if mode == 2:
-            outs = (x2, q, qt if transposed else q, qscale, amax)
-        else:
-            outs = (y, y, y, x2, amax if mode == 1 else x2)
+        outs = (x2, y, qscale, amax) if mode == 2 else (y, y, x2, amax if mode == 1 else x2)
         _FWD(grid, key, (x2, bias_c, scales_c, outs[0], x2.shape[0], out_shape[-1], x2.stride(0), float(dropout_p),
                          keep_scale(dropout_p), seed if drop else x2, *outs[1:]), meta)
-    return (q, qt) if mode == 2 else y
+    return y
 
 
 def _bwd_geometry(key, dy, x, bias, scales, kind, need_dbias, need_dscales, drop):
@@ -435,22 +429,21 @@ def bias_act_fwd(
 def bias_act_fwd_fp8(
     x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, *, amax: torch.Tensor, dropout_p: float = 0.0,
     seed: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn, transposed: bool = False,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
 ):
     """:func:`bias_act_fwd` whose one pass also serves an FP8 consumer (eager calls; see
     :func:`fusible_ops.kernels.fp8_cast.fp8_epilogue`). ``amax`` (fp32 [1]) is raised to ``max|y|``.
     Without ``scale`` (current scaling) returns y as :func:`bias_act_fwd` does: the cast that
-    follows needs no reduction pass. With ``scale`` (fp32 [1], delayed scaling) returns
-    ``(q [rows, n_out], qt [n_out, rows] or None)``: the FP8 bytes of y (rounded to x's dtype
-    first, exactly as a cast of :func:`bias_act_fwd`'s y) and, with ``transposed``, their transpose;
-    y itself is never written."""
+    follows needs no reduction pass. With ``scale`` (fp32 [1], delayed scaling) returns the FP8
+    bytes q [rows, n_out] of y (rounded to x's dtype first, exactly as a cast of
+    :func:`bias_act_fwd`'s y); y itself is never written."""
     check_p_seed(dropout_p, seed)
     seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
     if use_triton(x, bias):
-        fp8 = (2, fp8_dtype, bool(transposed)) if scale is not None else (1, None, False)
+        fp8 = (2, fp8_dtype) if scale is not None else (1, None)
         return _act_fwd_launch(x, bias, None, kind, float(dropout_p), seed, fp8, scale, amax)
     y = bias_act_fwd_ref(x, bias, kind, dropout_p=dropout_p, seed=seed)
-    return fp8_epilogue_ref(y, amax, scale, fp8_dtype, transposed)
+    return fp8_epilogue_ref(y, amax, scale, fp8_dtype)
 
 
 def bias_act_bwd(

@@ -74,28 +74,30 @@ if HAS_TRITON:
         return y.to(dtype)
 
     @triton.jit
-    def _store_t(QT, xs, r64, c64, ld, mask, FMAX: tl.constexpr, SOFT_ROUND: tl.constexpr):
-        # fp8(xs) (xs: the already scaled fp32 tile at rows r64 x cols c64) transposed to QT[c, r] with
-        # row stride ld. The fp32 tile is transposed before the conversion: transposing the 8-bit
-        # tile gave wrong bytes with Triton 3.6 on sm_90 for fp32 inputs (H200, 2026-11-24).
-        tl.store(QT + c64[:, None] * ld + r64[None, :], _to_fp8(tl.trans(xs), 1.0, FMAX, QT.dtype.element_ty, SOFT_ROUND),
-                 mask=tl.trans(mask))
+    def _store_t(QT, X, scale, r64, c64, M, N, stride_x, FMAX: tl.constexpr, SOFT_ROUND: tl.constexpr):
+        # The transposed copy of the tile at rows r64 x cols c64 of X [M, N]: fp8(x * scale) to
+        # QT[c, r] (row stride M), from a transposed re-load of the tile (an L1/L2 hit) in the
+        # layout the store wants. ``scale``: a scalar or one per column as a [C, 1] tile. (No
+        # tl.trans: with Triton 3.6 on sm_90 a transposed tile stored as fp8 gave wrong bytes for
+        # some tile layouts, H200, 2026-11-24.)
+        mask_t = (c64 < N)[:, None] & (r64 < M)[None, :]
+        xt = tl.load(X + r64[None, :] * stride_x + c64[:, None], mask=mask_t, other=0.0).to(tl.float32)
+        tl.store(QT + c64[:, None] * M + r64[None, :], _to_fp8(xt, scale, FMAX, QT.dtype.element_ty, SOFT_ROUND),
+                 mask=mask_t)
 
     @triton.jit
-    def fp8_epilogue(y, mask, rows64, cols64, n_rows, n_cols, Y, Q, QT, QSCALE, AMAX,
-                     OUT_MODE: tl.constexpr, HAS_QT: tl.constexpr, FMAX: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    def fp8_epilogue(y, mask, rows64, cols64, n_rows, n_cols, Y, Q, QSCALE, AMAX,
+                     OUT_MODE: tl.constexpr, FMAX: tl.constexpr, SOFT_ROUND: tl.constexpr):
         # A producer kernel's output store (y: fp32 [R, C] tile at rows64 x cols64 of an [n_rows,
         # n_cols] output). OUT_MODE 0: y to Y in Y's dtype; 1: also max|y| into AMAX (current
         # scaling: the cast that follows needs no reduction pass); 2: y rounded to Y's dtype (as the
-        # unfused path would store it), then fp8(. * QSCALE) to Q, transposed to QT (HAS_QT), and
-        # max|y| into AMAX (delayed scaling's history entry). Y is only a dtype carrier in mode 2.
+        # unfused path would store it), then fp8(. * QSCALE) to Q and max|y| into AMAX (delayed
+        # scaling's history entry). Y is only a dtype carrier in mode 2. (No transposed copy: a
+        # producer's tile cannot be re-loaded, see _store_t; the consumer transposes the bytes.)
         yr = y.to(Y.dtype.element_ty)
         if OUT_MODE == 2:
-            qscale = tl.load(QSCALE)
-            q = _to_fp8(yr.to(tl.float32), qscale, FMAX, Q.dtype.element_ty, SOFT_ROUND)
+            q = _to_fp8(yr.to(tl.float32), tl.load(QSCALE), FMAX, Q.dtype.element_ty, SOFT_ROUND)
             tl.store(Q + rows64[:, None] * n_cols + cols64[None, :], q, mask=mask)
-            if HAS_QT:
-                _store_t(QT, yr.to(tl.float32) * qscale, rows64, cols64, n_rows, mask, FMAX, SOFT_ROUND)
         else:
             tl.store(Y + rows64[:, None] * n_cols + cols64[None, :], yr, mask=mask)
         if OUT_MODE >= 1:
@@ -118,7 +120,7 @@ if HAS_TRITON:
         q = _to_fp8(x, scale, FMAX, Q.dtype.element_ty, SOFT_ROUND)
         tl.store(Q + r64[:, None] * N + c64[None, :], q, mask=mask)
         if HAS_T:
-            _store_t(QT, x * scale, r64, c64, M, mask, FMAX, SOFT_ROUND)
+            _store_t(QT, X, scale, r64, c64, M, N, stride_x, FMAX, SOFT_ROUND)
         if HAS_AMAX:
             tl.atomic_max(AMAX, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
@@ -166,7 +168,7 @@ if HAS_TRITON:
                 amax = tl.maximum(amax, tl.max(ax, axis=1))
                 if not SQUARE:  # the column-wise copy: each column's scale is complete in its chunk
                     scale_t = _scale_of(tl.max(ax, axis=0), FMAX, POW2)
-                    _store_t(QT, x * scale_t[None, :], r64, c64, M, mask, FMAX, SOFT_ROUND)
+                    _store_t(QT, X, scale_t[:, None], r64, c64, M, N, stride_x, FMAX, SOFT_ROUND)
                     tl.store(ST + c64 * stride_st0 + bm * stride_st1, _inv(scale_t), mask=cols < N)
             if SQUARE:
                 scale = _scale_of(tl.max(amax, axis=0), FMAX, POW2)
@@ -183,7 +185,7 @@ if HAS_TRITON:
                 q = _to_fp8(x, scale, FMAX, Q.dtype.element_ty, SOFT_ROUND)
                 tl.store(Q + r64[:, None] * N + c64[None, :], q, mask=mask)
                 if SQUARE and HAS_T:
-                    _store_t(QT, x * scale, r64, c64, M, mask, FMAX, SOFT_ROUND)
+                    _store_t(QT, X, scale, r64, c64, M, N, stride_x, FMAX, SOFT_ROUND)
 
 
 # ---- shared pieces of launchers and refs
@@ -360,14 +362,14 @@ FP8_MAX_OF = _FMAX  # fp8 dtype -> its largest finite value
 
 
 def fp8_epilogue_ref(y: torch.Tensor, amax: torch.Tensor, scale: Optional[torch.Tensor] = None,
-                     dtype: Optional[torch.dtype] = None, transposed: bool = False):
+                     dtype: Optional[torch.dtype] = None):
     """The ``*_ref`` of ``fp8_epilogue`` applied to a producer's result ``y`` (in its output dtype):
-    ``amax`` raised to ``max|y|``; with ``scale``, ``(q, qt)`` of :func:`cast_tensor_ref`, else y."""
+    ``amax`` raised to ``max|y|``; with ``scale``, the bytes q of :func:`cast_tensor_ref`, else y."""
     if scale is None:
         if y.numel():
             amax.copy_(torch.maximum(amax, y.abs().amax().float().reshape(amax.shape)))
         return y
-    return cast_tensor_ref(y, scale, dtype, transposed, amax)
+    return cast_tensor_ref(y, scale, dtype, False, amax)[0]
 
 
 __all__ = ["BLOCK", "FP8_MAX_OF", "fp8_epilogue_ref", "block_scale_buffers", "cast_block", "cast_block_ref", "cast_tensor", "cast_tensor_ref",

@@ -64,10 +64,10 @@ if HAS_TRITON:
         W, B,  # [N]: weight (HAS_W), bias (HAS_B)
         MEAN, RSTD,  # [n_rows] fp32 out (MEAN written only when not IS_RMS)
         n_rows, N, stride_x, stride_r, stride_xs, stride_y, eps,
-        Q, QT, QSCALE, AMAX,  # FP8 output (see fp8_cast.fp8_epilogue; OUT_MODE 0: unused)
+        Q, QSCALE, AMAX,  # FP8 output (see fp8_cast.fp8_epilogue; OUT_MODE 0: unused)
         IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
         LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        OUT_MODE: tl.constexpr, HAS_QT: tl.constexpr, FMAX: tl.constexpr, SOFT_ROUND: tl.constexpr,
+        OUT_MODE: tl.constexpr, FMAX: tl.constexpr, SOFT_ROUND: tl.constexpr,
     ):
         if not LOOP:
             # One [BLOCK_M, BLOCK_N] tile per program: BLOCK_M whole rows (BLOCK_N >= N).
@@ -91,8 +91,8 @@ if HAS_TRITON:
                 store_y(xc * rstd[:, None], W, B, Y, rows64, cols, mask, col_mask, stride_y, HAS_W, HAS_B, True)
             else:
                 y = affine(xc * rstd[:, None], W, B, cols, col_mask, HAS_W, HAS_B, True)
-                fp8_epilogue(y, mask, rows.to(tl.int64), cols.to(tl.int64), n_rows, N, Y, Q, QT, QSCALE, AMAX,
-                             OUT_MODE, HAS_QT, FMAX, SOFT_ROUND)
+                fp8_epilogue(y, mask, rows.to(tl.int64), cols.to(tl.int64), n_rows, N, Y, Q, QSCALE, AMAX,
+                             OUT_MODE, FMAX, SOFT_ROUND)
         else:
             # One row per program, N > BLOCK_N: pass 1 accumulates the statistics block by block
             # (Chan's parallel mean/M2 combination for LayerNorm), pass 2 re-reads x (and residual;
@@ -132,7 +132,7 @@ if HAS_TRITON:
                 else:  # as a [1, BLOCK_N] tile
                     y = affine(y, W, B, cols, mask, HAS_W, HAS_B, False)
                     fp8_epilogue(y[None, :], mask[None, :], tl.zeros([1], tl.int64) + row64, cols.to(tl.int64),
-                                 n_rows, N, Y, Q, QT, QSCALE, AMAX, OUT_MODE, HAS_QT, FMAX, SOFT_ROUND)
+                                 n_rows, N, Y, Q, QSCALE, AMAX, OUT_MODE, FMAX, SOFT_ROUND)
 
     @triton.jit
     def _norm_bwd_kernel(
@@ -278,27 +278,25 @@ def _fwd_geometry(key, x, weight, bias, residual, is_rms, fp8):
     rows = math.prod(x.shape[:-1])
     loop, block_m, block_n, warps = cfg._fwd_config(n, rows, residual is not None)
     meta = dict(IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-                LOOP=loop, BLOCK_M=block_m, BLOCK_N=block_n, OUT_MODE=fp8[0], HAS_QT=fp8[2],
+                LOOP=loop, BLOCK_M=block_m, BLOCK_N=block_n, OUT_MODE=fp8[0],
                 FMAX=FP8_MAX_OF.get(fp8[1], 448.0), SOFT_ROUND=interpreter_enabled(), num_warps=warps)
     return remember(_GEOMETRY, key, (rows, n, (cdiv(rows, block_m),), meta))
 
 
-_PLAIN = (0, None, False)  # fp8 output spec (OUT_MODE, fp8 dtype, transposed) of a plain call
+_PLAIN = (0, None)  # fp8 output spec (OUT_MODE, fp8 dtype) of a plain call
 
 
 def _norm_fwd_launch(x, weight, bias, eps, residual, is_rms, fp8=_PLAIN, qscale=None, amax=None):
     """Triton forward. Returns (y, mean, rstd, xsum) with mean/xsum a [0] placeholder when unused.
-    ``fp8``: as in :func:`fusible_ops.kernels.activation._act_fwd_launch`; OUT_MODE 2 returns
-    ``(q, qt)`` in place of y."""
+    ``fp8``: as in :func:`fusible_ops.kernels.activation._act_fwd_launch`; OUT_MODE 2 returns the
+    FP8 bytes q [rows, N] in place of y."""
     key = ("fwd", x.shape, x.stride(), x.dtype, x.device, _meta_of(weight), _meta_of(bias),
            None if residual is None else (residual.stride(), residual.dtype), is_rms, fp8)
     rows, n, grid, meta = _GEOMETRY.get(key) or _fwd_geometry(key, x, weight, bias, residual, is_rms, fp8)
     y, mean, rstd, xsum = _fwd_outputs(x, residual, is_rms, fp8[0] != 2)
-    mode, qdtype, transposed = fp8
+    mode, qdtype = fp8
     if mode == 2:
-        q = torch.empty(rows, n, dtype=qdtype, device=x.device)
-        qt = torch.empty(n, rows, dtype=qdtype, device=x.device) if transposed else None
-        y = (q, qt)
+        y = torch.empty(rows, n, dtype=qdtype, device=x.device)
     if rows == 0:
         return y, mean, rstd, xsum
     if n == 0:  # statistics of an empty row, as torch computes them
@@ -309,7 +307,7 @@ def _norm_fwd_launch(x, weight, bias, eps, residual, is_rms, fp8=_PLAIN, qscale=
     r2 = as_rows(residual) if residual is not None else x2
     xs2 = xsum.view(rows, n) if residual is not None else x2
     y2 = y.view(rows, n) if mode != 2 else x2  # (mode 2: a dtype carrier)
-    fp8_args = (q, qt if transposed else q, qscale, amax) if mode == 2 else (y2, y2, x2, amax if mode else x2)
+    fp8_args = (y, qscale, amax) if mode == 2 else (y2, x2, amax if mode else x2)
     _FWD(grid, key, (x2, r2, xs2, y2, _c(weight, x2), _c(bias, x2), mean if not is_rms else rstd, rstd,
                      rows, n, x2.stride(0), r2.stride(0), xs2.stride(0), y2.stride(0), float(eps), *fp8_args), meta)
     return y, mean, rstd, xsum
@@ -525,16 +523,15 @@ def rmsnorm_bwd(dy, xsum, weight, rstd, need_dweight, dxsum_extra=None):
 
 
 def norm_fwd_fp8(x, weight, bias, eps, residual=None, *, is_rms: bool, amax: torch.Tensor,
-                 scale: Optional[torch.Tensor] = None, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-                 transposed: bool = False):
+                 scale: Optional[torch.Tensor] = None, fp8_dtype: torch.dtype = torch.float8_e4m3fn):
     """:func:`layernorm_fwd` (``is_rms=False``) or :func:`rmsnorm_fwd` (``bias`` None) whose one pass
     also serves an FP8 consumer, as :func:`fusible_ops.kernels.activation.bias_act_fwd_fp8`:
     returns ``(out, mean, rstd, xsum)`` (mean None for RMSNorm) with ``out`` y (``amax`` raised to
-    max|y|) without ``scale``, else ``(q, qt)`` (y is never written)."""
+    max|y|) without ``scale``, else the FP8 bytes q [rows, N] (y is never written)."""
     fn = "rmsnorm_fwd" if is_rms else "layernorm_fwd"
     _check(fn, x, residual, weight=weight, bias=bias)
     if x.dtype in TRITON_DTYPES and use_triton(x, weight, bias, residual):
-        fp8 = (2, fp8_dtype, bool(transposed)) if scale is not None else (1, None, False)
+        fp8 = (2, fp8_dtype) if scale is not None else (1, None)
         out, mean, rstd, xsum = _norm_fwd_launch(x, weight, bias, float(eps), residual, is_rms, fp8, scale, amax)
         return out, (None if is_rms else mean), rstd, (xsum if residual is not None else x)
     if is_rms:
@@ -542,7 +539,7 @@ def norm_fwd_fp8(x, weight, bias, eps, residual=None, *, is_rms: bool, amax: tor
         mean = None
     else:
         y, mean, rstd, xsum = layernorm_fwd_ref(x, weight, bias, eps, residual)
-    return fp8_epilogue_ref(y, amax, scale, fp8_dtype, transposed), mean, rstd, xsum
+    return fp8_epilogue_ref(y, amax, scale, fp8_dtype), mean, rstd, xsum
 
 
 __all__ = [

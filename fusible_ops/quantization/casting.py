@@ -121,11 +121,11 @@ class InputQuantizer:
         return "fp8" if isinstance(self.recipe, Float8DelayedScaling) else "amax"
 
     def produce(self, run, like: torch.Tensor) -> Float8Tensor:
-        """The consumer's FP8 input from a producer. ``run(amax=None, scale=None, fp8_dtype=None,
-        transposed=False)`` runs the producer's kernel: without ``amax`` it returns its plain
-        output; with ``amax`` (fp32 [1], raised to max|y|) and no ``scale`` its plain output; with
-        ``scale`` ``(q, qt)`` FP8 bytes [rows, cols] (and their transpose). ``like``: a tensor of
-        the producer's input dtype and device."""
+        """The consumer's FP8 input from a producer. ``run(amax=None, scale=None, fp8_dtype=None)``
+        runs the producer's kernel: without ``amax`` it returns its plain output; with ``amax``
+        (fp32 [1], raised to max|y|) and no ``scale`` its plain output; with ``scale`` the FP8 bytes
+        q [rows, cols]. The transposed copy (when the consumer needs it) is a byte transpose of q.
+        ``like``: a tensor of the producer's input dtype and device."""
         mode = self.fused_mode()
         if mode == "cast":
             return self(run())
@@ -138,7 +138,8 @@ class InputQuantizer:
             q, qt = cast_tensor(y, scale, dtype, colwise)
             return self._wrap(y.dtype, y.shape, q, qt, scale)
         scale, entry = _delayed_scale(self.owner, self.recipe, "input", like)
-        q, qt = run(amax=entry, scale=scale, fp8_dtype=dtype, transposed=colwise)
+        q = run(amax=entry, scale=scale, fp8_dtype=dtype)
+        qt = q.t().contiguous() if colwise else None
         return self._wrap(like.dtype, (*like.shape[:-1], q.shape[-1]), q, qt, scale)
 
     def _wrap(self, dtype, shape, q, qt, scale) -> Float8Tensor:
