@@ -453,3 +453,28 @@ def test_norm_writes_the_next_linears_fp8_input(recipe, norm, residual, monkeypa
     assert outs[0][3] == 0 and outs[1][3] == 2
     for a, b in zip(outs[0][:3], outs[1][:3]):
         assert torch.equal(a, b)
+
+
+def test_delayed_hand_off_without_grad_writes_fp8_in_the_producer(monkeypatch):
+    """No gradient (no transposed copy needed): the activation kernel writes the FP8 bytes itself
+    (no plain output, no cast); the result equals the unfused chain's."""
+    import copy
+
+    from fusible_ops.fusion_rules import disabled
+    from fusible_ops.kernels import activation as A
+
+    recipe = fo.Float8DelayedScaling(amax_history_len=4)
+    fused = _mlp()
+    plain = copy.deepcopy(fused)
+    x = torch.randn(64, 128)
+    calls = []
+    real = A.bias_act_fwd_fp8
+    monkeypatch.setattr(A, "bias_act_fwd_fp8", lambda *a, **k: calls.append(k.get("scale") is not None) or real(*a, **k))
+    with torch.no_grad(), fo.autocast(recipe=recipe):
+        for _ in range(2):
+            y = fused(x)
+        with disabled("linear_bias_activation"):
+            for _ in range(2):
+                yp = plain(x)
+    assert calls == [True, True]  # FP8 written by the producer, both calls
+    assert torch.equal(y, yp)

@@ -113,7 +113,8 @@ class InputQuantizer:
 
     def fused_mode(self) -> str:
         """How a producer serves this consumer: ``"fp8"`` (delayed scaling: the scale is known
-        first, the producer writes FP8 itself), ``"amax"`` (current scaling: the producer's pass
+        first, the producer writes FP8 itself; with a transposed copy needed, it records the amax
+        and one cast writes both layouts), ``"amax"`` (current scaling: the producer's pass
         also takes the amax, a cast follows), ``"cast"`` (block scaling, or tracing under
         torch.compile: a standalone cast of the producer's output)."""
         if torch.compiler.is_compiling() or isinstance(self.recipe, Float8BlockScaling):
@@ -124,8 +125,10 @@ class InputQuantizer:
         """The consumer's FP8 input from a producer. ``run(amax=None, scale=None, fp8_dtype=None)``
         runs the producer's kernel: without ``amax`` it returns its plain output; with ``amax``
         (fp32 [1], raised to max|y|) and no ``scale`` its plain output; with ``scale`` the FP8 bytes
-        q [rows, cols]. The transposed copy (when the consumer needs it) is a byte transpose of q.
-        ``like``: a tensor of the producer's input dtype and device."""
+        q [rows, cols]. When the consumer needs the transposed copy too (its weight gradient), the
+        producer writes its plain output and one cast kernel writes both layouts (a producer's
+        tile cannot be stored transposed reliably, see ``fp8_cast._store_t``). ``like``: a tensor
+        of the producer's input dtype and device."""
         mode = self.fused_mode()
         if mode == "cast":
             return self(run())
@@ -138,8 +141,11 @@ class InputQuantizer:
             q, qt = cast_tensor(y, scale, dtype, colwise)
             return self._wrap(y.dtype, y.shape, q, qt, scale)
         scale, entry = _delayed_scale(self.owner, self.recipe, "input", like)
-        q = run(amax=entry, scale=scale, fp8_dtype=dtype)
-        qt = q.t().contiguous() if colwise else None
+        if colwise:  # both layouts: the producer's pass records the amax, one cast + transpose pass
+            y = run(amax=entry)
+            q, qt = cast_tensor(y, scale, dtype, True)
+            return self._wrap(y.dtype, y.shape, q, qt, scale)
+        q, qt = run(amax=entry, scale=scale, fp8_dtype=dtype), None
         return self._wrap(like.dtype, (*like.shape[:-1], q.shape[-1]), q, qt, scale)
 
     def _wrap(self, dtype, shape, q, qt, scale) -> Float8Tensor:

@@ -17,7 +17,8 @@ def _fmt(recipe, role: str) -> str:
     return _NAMES[str(fp8_dtype(recipe, role)).replace("torch.", "")]
 
 
-_HOW = {"fp8": "FP8 bytes and amax in the producer's own pass (no cast)",
+_HOW = {"fp8": ("FP8 bytes and amax in the producer's own pass (no cast) when no transposed copy is needed "
+                "(frozen weight, no grad); else the amax in that pass, then one cast + transpose"),
         "amax": "the producer's pass also takes the amax, then one cast (current scaling needs the amax first)",
         "cast": "a standalone cast after the producer (block scales are not fused into producers yet)"}
 
