@@ -52,8 +52,8 @@ class Plan:
         self.ctx_flags = [(self.requires_grad, i, w) for i, w in zip(self.input_requires_grad,
                                                                       self.weight_requires_grad)]
         self.forward_steps = [(g.op, g.indices, [self.op_kwargs[i] for i in g.indices]) for g in self.forward]
-        self.backward_steps = [(g.op, g.indices) for g in reversed(self.backward)
-                               if g.indices[-1] >= self.backward_stop]
+        self.backward_steps = [(g.op, g.indices, self.op_kwargs[g.indices[0]]["prev_op_grad_output_quantizer"])
+                               for g in reversed(self.backward) if g.indices[-1] >= self.backward_stop]
         self.backward_complete = all(g.indices[-1] >= self.backward_stop for g in self.backward)
 
 
@@ -213,7 +213,8 @@ class OperationFuser:
                 {
                     "next_op_input_quantizer": (_input_quantizer(ops[i + 1], requires_grad and op_trainable[i + 1])
                                                 if i + 1 < len(ops) else None),
-                    "prev_op_grad_output_quantizer": ops[i - 1].grad_output_quantizer() if i > 0 else None,
+                    "prev_op_grad_output_quantizer": (
+                        _grad_quantizer(ops[i - 1], requires_grad and op_trainable[i - 1]) if i > 0 else None),
                 }
                 for i in range(len(ops))
             ],
@@ -270,7 +271,15 @@ class OperationFuser:
 
 def _input_quantizer(op: BasicOperation, weight_grad: bool):
     """``op.input_quantizer()``, told whether the op computes a weight gradient in this plan."""
-    q = op.input_quantizer()
+    return _told(op.input_quantizer(), weight_grad)
+
+
+def _grad_quantizer(op: BasicOperation, weight_grad: bool):
+    """``op.grad_output_quantizer()``, told whether the op computes a weight gradient."""
+    return _told(op.grad_output_quantizer(), weight_grad)
+
+
+def _told(q, weight_grad: bool):
     if q is not None and hasattr(q, "colwise"):
         q.colwise = weight_grad
     return q
@@ -375,12 +384,18 @@ class _FuserFunction(torch.autograd.Function):
         ctxs = views
         param_grads: list[tuple] = [(None,) * c for c in plan.param_counts]
         grad_extra_in: list[tuple] = list(fuser._none_extra_grads)
-        for op, idx in plan.backward_steps:
+        for op, idx, gq in plan.backward_steps:
             if type(dy) is Float8Tensor and not getattr(ops[idx[-1]], "accepts_fp8", False):
                 dy = dy.dequantize()
-            dy, pg, ge = op.fuser_backward(
-                [ctxs[i] for i in idx], dy, grad_extra_outputs=[grad_extra_out[i] for i in idx]
-            )
+            if gq is None:
+                dy, pg, ge = op.fuser_backward(
+                    [ctxs[i] for i in idx], dy, grad_extra_outputs=[grad_extra_out[i] for i in idx]
+                )
+            else:  # the op before this group is an FP8 linear: its output gradient may be written in FP8
+                dy, pg, ge = op.fuser_backward(
+                    [ctxs[i] for i in idx], dy, grad_extra_outputs=[grad_extra_out[i] for i in idx],
+                    prev_op_grad_output_quantizer=gq,
+                )
             for j, i in enumerate(idx):
                 pg_i = tuple(pg[j])
                 if len(pg_i) != len(param_grads[i]):

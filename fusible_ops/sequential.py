@@ -302,7 +302,9 @@ class Sequential(torch.nn.Module):
             lines.append("declined: none")
         producers = {offset + g.indices[-1] for _, plan, offset in plans for g in plan.forward
                      if getattr(g.op, "writes_fp8_output", False)}
-        lines.extend(fp8_lines(ops, current_recipe(), producers))
+        grad_producers = {offset + g.indices[0] for _, plan, offset in plans for g in plan.backward
+                          if getattr(g.op, "writes_fp8_grad", False)}
+        lines.extend(fp8_lines(ops, current_recipe(), producers, grad_producers))
         return "\n".join(lines)
 
     def backward_dw(self) -> None:

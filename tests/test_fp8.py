@@ -344,7 +344,8 @@ def test_explain_shows_where_casts_run_and_fallbacks():
     assert "[1] BasicLinear: FP8 GEMMs; input: standalone cast (E4M3)" in text
     assert "producer [0] Identity does not write FP8 itself" in text
     assert "[5] BasicLinear: FP8 GEMMs; input already FP8 from Quantize [4]" in text
-    assert "output gradient: standalone cast (E5M2)" in text
+    assert "output gradient: standalone cast (E5M2)" in text  # [4]: GELU's backward is not next to it
+    assert "[1] BasicLinear" in text and "output gradient (E5M2) written for it by the fused backward of [2...]" in text
     assert "[7] GroupedLinear: high precision (fallback)" in text
 
 
@@ -379,9 +380,9 @@ def test_delayed_amax_reduced_over_a_process_group(tmp_path):
 
 @pytest.mark.parametrize("recipe", RECIPES[:3], ids=IDS[:3])
 def test_activation_writes_the_next_linears_fp8_input(recipe, monkeypatch):
-    """Hand-off: the fused bias + GELU writes the second linear's FP8 input (delayed: the FP8 bytes
-    in its own pass; current: its pass takes the amax, then one cast; block: a standalone cast),
-    and the result equals the unfused chain's exactly."""
+    """Hand-off: the fused bias + GELU writes the second linear's FP8 input (its pass records the
+    amax, then one cast writes both layouts; block: a standalone cast), its backward writes the
+    first linear's FP8 output gradient the same way, and the results equal the unfused chain's."""
     import copy
 
     import fusible_ops.ops.fp8_linear as FL
@@ -402,16 +403,19 @@ def test_activation_writes_the_next_linears_fp8_input(recipe, monkeypatch):
     outs = {}
     for name, seq in (("fused", fused), ("plain", plain)):
         casts.clear()
-        ctx = disabled("linear_bias_activation") if name == "plain" else torch.enable_grad()
+        ctx = (disabled("linear_bias_activation", "activation_bias_backward") if name == "plain"
+               else torch.enable_grad())
         with ctx:
             for _ in range(2):  # delayed scaling: the second step reads the history
                 y, dx = _run(seq, x, dy, recipe)
-            outs[name] = (y, dx, seq[2].weight.grad.clone(), casts.count("input"))
+            outs[name] = (y, dx, seq[2].weight.grad.clone(), seq[0].weight.grad.clone(), casts.count("input"),
+                          casts.count("grad_output"))
             assert [r["rule"] for r in seq.fusion_plan()][0] == (
                 "linear_bias_activation" if name == "fused" else "linear_bias")
-    assert outs["plain"][3] == 4  # two steps: both linears cast their input in the unfused chain
-    assert outs["fused"][3] == 2  # the second linear's input came from the activation
-    for a, b in zip(outs["fused"][:3], outs["plain"][:3]):
+    assert outs["plain"][4:] == (4, 4)  # two steps: both linears cast their input and output gradient
+    # the second linear's input came from the activation, the first linear's gradient from its backward
+    assert outs["fused"][4:] == (2, 2)
+    for a, b in zip(outs["fused"][:4], outs["plain"][:4]):
         assert torch.equal(a, b)
 
 

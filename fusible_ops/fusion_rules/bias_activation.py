@@ -8,7 +8,9 @@ the activation's ctx keeps the biased output (``act_bias`` None); backward then 
 the activation gradient.
 
 Backward (``BackwardBiasActivation``): the activation gradient (after regenerating the dropout
-mask) and the bias gradient (a column reduction) in ONE Triton pass.
+mask) and the bias gradient (a column reduction) in ONE Triton pass; when the op before is an
+FP8 linear (``prev_op_grad_output_quantizer``) that pass also takes max|dz| and one cast kernel
+writes the linear's FP8 gradient (both layouts).
 
 Dropout's seed goes through the ``Dropout`` protocol: ``drop.start(ctx, z)`` in forward (draws the
 seed tensor on the device and saves it in the Dropout's ctx, exactly as ``Dropout.op_forward``
@@ -98,7 +100,9 @@ class ForwardLinearBiasActivation(FusedOperation):
 
 class BackwardBiasActivation(FusedOperation):
     """Backward of ``[Bias] activation [Dropout]``: dropout mask regenerated, activation gradient
-    and bias column sum in one pass."""
+    and bias column sum in one pass (which also serves a preceding FP8 linear's gradient cast)."""
+
+    writes_fp8_grad = True
 
     def __init__(self, ops) -> None:
         super().__init__(ops)
@@ -111,15 +115,32 @@ class BackwardBiasActivation(FusedOperation):
         seed = drop.seed_of(ctxs[di]) if drop is not None else None
         p = drop.p if seed is not None else 0.0
         need_dbias = bias is not None and ctxs[bi].bias_grad
+        gq = kwargs.get("prev_op_grad_output_quantizer")  # the linear before wants dz in FP8
         if not actx.saved_tensors:  # nothing before needs a gradient
             dz, db = None, None
         else:
             (x,) = actx.saved_tensors
-            dz, db = _K.bias_act_bwd(dy, x, actx.act_bias, act.kind, need_dbias, dropout_p=p, seed=seed)
+            if gq is None or not ctxs[0].input_requires_grad:
+                dz, db = _K.bias_act_bwd(dy, x, actx.act_bias, act.kind, need_dbias, dropout_p=p, seed=seed)
+            else:  # this pass also takes max|dz| for the linear's FP8 cast (InputQuantizer.produce)
+                out = []
+
+                def run(amax=None):
+                    if amax is None:
+                        out.append(_K.bias_act_bwd(dy, x, actx.act_bias, act.kind, need_dbias, dropout_p=p, seed=seed))
+                    else:
+                        out.append(_K.bias_act_bwd_amax(dy, x, actx.act_bias, act.kind, need_dbias, amax=amax,
+                                                        dropout_p=p, seed=seed))
+                    return out[0][0]
+
+                dzq = gq.produce(run, x, direct=False)
+                dz, db = out[0]
             if need_dbias and db is None:  # the bias was added in the GEMM (act_bias None)
                 db = dz.sum(0) if dz.dim() == 2 else dz.flatten(0, -2).sum(0)
             if db is not None and db.dtype != bias.bias.dtype:
                 db = db.to(bias.bias.dtype)
+            if gq is not None and ctxs[0].input_requires_grad:
+                dz = dzq
         grads = [()] * len(ctxs)
         if bias is not None:
             grads[bi] = (db,)

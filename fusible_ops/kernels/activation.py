@@ -119,6 +119,7 @@ if HAS_TRITON:
         p,
         scale,
         SEED,  # [1] int64 dropout seed or dummy
+        AMAX,  # fp32 [1]: raised to max|dx| (HAS_AMAX: an FP8 cast of dx follows, it needs no reduction)
         ACT: tl.constexpr,
         GATED: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -129,6 +130,7 @@ if HAS_TRITON:
         OFF64: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_C: tl.constexpr,
+        HAS_AMAX: tl.constexpr,
     ):
         pid_r = tl.program_id(0)
         pid_c = tl.program_id(1)
@@ -144,6 +146,7 @@ if HAS_TRITON:
             seed = tl.load(SEED)
         acc_a = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
         acc_b = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        amax = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
         row_start = pid_r * rows_per_prog
         row_end = tl.minimum(row_start + rows_per_prog, n_rows)
         for r0 in range(row_start, row_end, BLOCK_R):
@@ -173,6 +176,8 @@ if HAS_TRITON:
                 da = dact(g * b, a, dact_a, ACT)
                 db = g * act_a
                 tl.store(dx_ptrs + n_out, db.to(DX.dtype.element_ty), mask=mask)
+                if HAS_AMAX:  # of the stored (rounded) values, as a cast of dx would see them
+                    amax = tl.maximum(amax, tl.where(mask, tl.abs(db.to(DX.dtype.element_ty).to(tl.float32)), 0.0))
                 h = act_a * b
                 if NEED_DBIAS:
                     acc_b += tl.where(mask, db, 0.0)
@@ -180,6 +185,8 @@ if HAS_TRITON:
                 da = dact(g, a, dact_a, ACT)
                 h = act_a
             tl.store(dx_ptrs, da.to(DX.dtype.element_ty), mask=mask)
+            if HAS_AMAX:
+                amax = tl.maximum(amax, tl.where(mask, tl.abs(da.to(DX.dtype.element_ty).to(tl.float32)), 0.0))
             if NEED_DBIAS:
                 acc_a += tl.where(mask, da, 0.0)
             if NEED_DSCALES:
@@ -187,6 +194,8 @@ if HAS_TRITON:
                     h = h * m
                 part = tl.sum(tl.where(mask, dy * h, 0.0), axis=1)
                 tl.store(DSP + pid_c.to(tl.int64) * n_rows + rows, part, mask=rmask)
+        if HAS_AMAX:
+            tl.atomic_max(AMAX, tl.max(tl.max(amax, axis=1), axis=0))
         if NEED_DBIAS:
             dbp = DBP + pid_r.to(tl.int64) * n_in + cols
             tl.store(dbp, tl.sum(acc_a, axis=0), mask=cmask)
@@ -270,7 +279,7 @@ def _act_fwd_launch(x, bias, scales, kind, dropout_p, seed, fp8=_PLAIN, qscale=N
     return y
 
 
-def _bwd_geometry(key, dy, x, bias, scales, kind, need_dbias, need_dscales, drop):
+def _bwd_geometry(key, dy, x, bias, scales, kind, need_dbias, need_dscales, drop, has_amax=False):
     """Checks and launch geometry of the backward, once per key."""
     check_bias_act(x, bias, kind, 0.0, None)
     if scales is not None:
@@ -297,22 +306,24 @@ def _bwd_geometry(key, dy, x, bias, scales, kind, need_dbias, need_dscales, drop
     n_row_progs = cdiv(n_rows, rows_per_prog)
     meta = dict(ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None,
                 NEED_DBIAS=need_dbias, NEED_DSCALES=need_dscales, DROPOUT=drop, OFF64=needs_int64(n_rows, n_out),
-                BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
+                BLOCK_R=block_r, BLOCK_C=block_c, HAS_AMAX=has_amax, num_warps=num_warps)
     asis_x = x.dim() == 2 and (x.stride(1) == 1 or n_in <= 1)
     asis_dy = dy.dim() == 2 and tuple(dy.shape) == (n_rows, n_out) and (dy.stride(1) == 1 or n_out <= 1)
     return _remember(key, (asis_x, asis_dy, (n_row_progs, n_col_blocks), meta, n_rows, n_out, rows_per_prog,
                            n_col_blocks, n_in))
 
 
-def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout_p, seed):
-    """Returns (dx, dbias or None, dscales or None); dbias/dscales in bias/scales dtype."""
+def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout_p, seed, amax=None):
+    """Returns (dx, dbias or None, dscales or None); dbias/dscales in bias/scales dtype. ``amax``
+    (fp32 [1]) or None: raised to max|dx| in the same pass."""
     need_dbias = need_dbias and bias is not None
     need_dscales = need_dscales and scales is not None
     drop = dropout_p > 0.0
     key = ("bwd", dy.shape, dy.stride(), x.shape, x.stride(), x.dtype, dy.dtype, x.device, kind,
            None if bias is None else (bias.shape, bias.dtype), None if scales is None else (scales.shape, scales.dtype),
-           need_dbias, need_dscales, drop)
-    geo = _GEOMETRY.get(key) or _bwd_geometry(key, dy, x, bias, scales, kind, need_dbias, need_dscales, drop)
+           need_dbias, need_dscales, drop, amax is not None)
+    geo = _GEOMETRY.get(key) or _bwd_geometry(key, dy, x, bias, scales, kind, need_dbias, need_dscales, drop,
+                                              amax is not None)
     asis_x, asis_dy, grid, meta, n_rows, n_out, rows_per_prog, n_col_blocks, n_in = geo
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     if grid is None:  # no elements: the sums over no rows are zeros
@@ -330,7 +341,8 @@ def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout
     bias_c = bias.contiguous() if bias is not None else x2
     scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
     _BWD(grid, key, (dy2, x2, bias_c, scales_c, dx, dbp, dsp, n_rows, n_out, dy2.stride(0), x2.stride(0),
-                     rows_per_prog, float(dropout_p), keep_scale(dropout_p), seed if drop else x2), meta)
+                     rows_per_prog, float(dropout_p), keep_scale(dropout_p), seed if drop else x2,
+                     amax if amax is not None else x2), meta)
     dbias = dscales = None
     if need_dbias:
         dbias = dbp[0] if one_prog else dbp.sum(0).to(bias.dtype)
@@ -468,6 +480,23 @@ def bias_act_bwd(
     return bias_act_bwd_ref(dy, x, bias, kind, need_dbias, dropout_p=dropout_p, seed=seed)
 
 
+def bias_act_bwd_amax(
+    dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, need_dbias: bool,
+    *, amax: torch.Tensor, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`bias_act_bwd` (eager calls) whose pass also raises ``amax`` (fp32 [1]) to ``max|dz|``
+    of the stored dz: an FP8 cast of dz for the preceding linear then needs no reduction pass."""
+    check_p_seed(dropout_p, seed)
+    need_dbias = bool(need_dbias) and bias is not None
+    seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
+    if use_triton(dy, x, bias):
+        dz, dbias, _ = _act_bwd_launch(dy, x, bias, None, kind, need_dbias, False, float(dropout_p), seed, amax)
+        return dz, dbias
+    dz, dbias = bias_act_bwd_ref(dy, x, bias, kind, need_dbias, dropout_p=dropout_p, seed=seed)
+    fp8_epilogue_ref(dz, amax)
+    return dz, dbias
+
+
 def scaled_swiglu_fwd(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``y = swiglu(x) * scales[..., None]`` (e.g. MoE router weights folded in).
 
@@ -500,6 +529,7 @@ __all__ = [
     "bias_act_bwd",
     "bias_act_bwd_ref",
     "bias_act_fwd",
+    "bias_act_bwd_amax",
     "bias_act_fwd_fp8",
     "bias_act_fwd_ref",
     "scaled_swiglu_bwd",

@@ -10,7 +10,7 @@ import torch
 from ..grad import WeightGradMixin, deliver_weight_grad
 from ..kernels.gemm import linear_dgrad, linear_fprop, linear_wgrad
 from ..op import BasicOperation, FusibleOperation
-from ..quantization.casting import FP8StateMixin, InputQuantizer
+from ..quantization.casting import FP8StateMixin, GradOutputQuantizer, InputQuantizer
 from ..quantization.recipes import current_recipe
 from ..quantization.tensor import Float8Tensor
 from .fp8_linear import fp8_backward, fp8_forward
@@ -94,6 +94,12 @@ class BasicLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
         uses to write this op's input in FP8 itself (None otherwise)."""
         recipe = current_recipe()
         return None if recipe is None else InputQuantizer(recipe, self)
+
+    def grad_output_quantizer(self):
+        """Under an active recipe, the :class:`~fusible_ops.quantization.GradOutputQuantizer` the
+        backward of the op after this one uses to write this op's output gradient in FP8."""
+        recipe = current_recipe()
+        return None if recipe is None else GradOutputQuantizer(recipe, self)
 
     def op_forward(self, ctx, x, **kwargs):
         return self.fprop(ctx, x)

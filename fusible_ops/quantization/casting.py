@@ -88,7 +88,10 @@ def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, x: torch.Tens
 class InputQuantizer:
     """What an FP8 consumer (a linear) wants its input to be: handed to the op before it (the
     ``next_op_input_quantizer`` keyword of ``fuser_forward``) so that the producer writes FP8
-    itself. Fixed per plan (the recipe is part of the plan key)."""
+    itself. Fixed per plan (the recipe is part of the plan key). :class:`GradOutputQuantizer` is
+    the same for the gradient a linear's backward reads (``prev_op_grad_output_quantizer``)."""
+
+    role = "input"
 
     def __init__(self, recipe, consumer) -> None:
         self.recipe = recipe
@@ -109,7 +112,7 @@ class InputQuantizer:
 
     def __call__(self, x: torch.Tensor) -> Float8Tensor:
         """A standalone cast of ``x`` for the consumer."""
-        return quantize(x, self.recipe, "input", transposed=self.need_colwise(), owner=self.owner)
+        return quantize(x, self.recipe, self.role, transposed=self.need_colwise(), owner=self.owner)
 
     def fused_mode(self) -> str:
         """How a producer serves this consumer: ``"fp8"`` (delayed scaling: the scale is known
@@ -121,18 +124,19 @@ class InputQuantizer:
             return "cast"
         return "fp8" if isinstance(self.recipe, Float8DelayedScaling) else "amax"
 
-    def produce(self, run, like: torch.Tensor) -> Float8Tensor:
+    def produce(self, run, like: torch.Tensor, direct: bool = True) -> Float8Tensor:
         """The consumer's FP8 input from a producer. ``run(amax=None, scale=None, fp8_dtype=None)``
         runs the producer's kernel: without ``amax`` it returns its plain output; with ``amax``
         (fp32 [1], raised to max|y|) and no ``scale`` its plain output; with ``scale`` the FP8 bytes
         q [rows, cols]. When the consumer needs the transposed copy too (its weight gradient), the
         producer writes its plain output and one cast kernel writes both layouts (a producer's
         tile cannot be stored transposed reliably, see ``fp8_cast._store_t``). ``like``: a tensor
-        of the producer's input dtype and device."""
+        of the producer's input dtype and device. ``direct=False``: the producer cannot write FP8
+        (only its plain output and the amax)."""
         mode = self.fused_mode()
         if mode == "cast":
             return self(run())
-        dtype = fp8_dtype(self.recipe, "input")
+        dtype = fp8_dtype(self.recipe, self.role)
         colwise = self.need_colwise()
         if mode == "amax":
             amax = torch.zeros(1, dtype=torch.float32, device=like.device)
@@ -140,10 +144,10 @@ class InputQuantizer:
             scale = scale_from_amax_ref(amax, FP8_MAX[dtype])
             q, qt = cast_tensor(y, scale, dtype, colwise)
             return self._wrap(y.dtype, y.shape, q, qt, scale)
-        scale, entry = _delayed_scale(self.owner, self.recipe, "input", like)
-        if colwise:  # both layouts: the producer's pass records the amax, one cast + transpose pass
+        scale, entry = _delayed_scale(self.owner, self.recipe, self.role, like)
+        if colwise or not direct:  # both layouts: the producer's pass records the amax, one cast + transpose pass
             y = run(amax=entry)
-            q, qt = cast_tensor(y, scale, dtype, True)
+            q, qt = cast_tensor(y, scale, dtype, colwise)
             return self._wrap(y.dtype, y.shape, q, qt, scale)
         q, qt = run(amax=entry, scale=scale, fp8_dtype=dtype), None
         return self._wrap(like.dtype, (*like.shape[:-1], q.shape[-1]), q, qt, scale)
@@ -154,7 +158,14 @@ class InputQuantizer:
                             scale_inv_t=inv if qt is not None else None, recipe=self.recipe)
 
     def __repr__(self) -> str:
-        return f"InputQuantizer({type(self.recipe).__name__}, for {type(self.consumer).__name__})"
+        return f"{type(self).__name__}({type(self.recipe).__name__}, for {type(self.consumer).__name__})"
+
+
+class GradOutputQuantizer(InputQuantizer):
+    """The gradient a linear's backward reads (role ``"grad_output"``: E5M2 under ``"hybrid"``),
+    produced by the backward of the op after it; the transposed copy serves its weight gradient."""
+
+    role = "grad_output"
 
 
 # ---- quantize
@@ -227,4 +238,4 @@ def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transpos
     return wq
 
 
-__all__ = ["FP8StateMixin", "InputQuantizer", "cached_weight", "delayed_state", "quantize", "with_colwise"]
+__all__ = ["FP8StateMixin", "GradOutputQuantizer", "InputQuantizer", "cached_weight", "delayed_state", "quantize", "with_colwise"]

@@ -23,9 +23,11 @@ _HOW = {"fp8": ("FP8 bytes and amax in the producer's own pass (no cast) when no
         "cast": "a standalone cast after the producer (block scales are not fused into producers yet)"}
 
 
-def fp8_lines(ops, recipe, producers=frozenset()) -> list[str]:
+def fp8_lines(ops, recipe, producers=frozenset(), grad_producers=frozenset()) -> list[str]:
     """One line per op that FP8 touches (or skips), in order; empty when ``recipe`` is None.
-    ``producers``: indices of ops whose fused op writes the next op's FP8 input itself."""
+    ``producers``: indices of ops whose fused op writes the next op's FP8 input itself;
+    ``grad_producers``: first indices of backward groups that write the previous op's FP8
+    output gradient."""
     if recipe is None:
         return []
     from ..ops.grouped_linear import GroupedLinear
@@ -59,8 +61,13 @@ def fp8_lines(ops, recipe, producers=frozenset()) -> list[str]:
             if isinstance(recipe, Float8BlockScaling) and (op.in_features % 512 or op.out_features % 512):
                 extra = ("; on CUDA a 128x128-scaled GEMM with a reduction dim not a multiple of 512 runs as emulation "
                          "(dequantized fp32 matmul)")
-            lines.append(f"  {name}: FP8 GEMMs; {src}; weight cast once per weight change (cache); output "
-                         f"gradient: standalone cast ({_fmt(recipe, 'grad_output')}) in its backward{extra}")
+            if i + 1 in grad_producers:
+                grad = (f"output gradient ({_fmt(recipe, 'grad_output')}) written for it by the fused backward of "
+                        f"[{i + 1}...]: " + ("a standalone cast after it" if _mode(recipe) == "cast" else
+                                             "the amax in its pass, then one cast + transpose"))
+            else:
+                grad = f"output gradient: standalone cast ({_fmt(recipe, 'grad_output')}) in its backward"
+            lines.append(f"  {name}: FP8 GEMMs; {src}; weight cast once per weight change (cache); {grad}{extra}")
         elif isinstance(op, GroupedLinear):
             lines.append(f"  {name}: high precision (fallback): FP8 grouped GEMMs are not implemented yet")
     return lines

@@ -231,3 +231,23 @@ def test_norm_fp8_epilogue_matches_unfused_cast(rms, residual, loop, delayed, de
             else:
                 torch.testing.assert_close(out, y, rtol=0 if exact else 2 ** -7, atol=0)
             torch.testing.assert_close(amax, C.tensor_amax(y), rtol=0 if exact else 2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind,gated", [("gelu", False), ("swiglu", True)])
+def test_activation_backward_amax(kind, gated, device):
+    """bias_act_bwd_amax: the same dz and dbias as bias_act_bwd, and max|dz| in the same pass."""
+    from fusible_ops.kernels import activation as A
+
+    g = torch.Generator().manual_seed(9)
+    n = 96
+    x = torch.randn(37, 2 * n if gated else n, generator=g).to(device, torch.bfloat16)
+    b = torch.randn(x.shape[-1], generator=g).to(device, torch.bfloat16)
+    dy = torch.randn(37, n, generator=g).to(device, torch.bfloat16)
+    for mode in ("triton", "reference"):
+        with kernels.use(mode):
+            dz, db = A.bias_act_bwd(dy, x, b, kind, True)
+            amax = torch.zeros(1, device=device)
+            dz2, db2 = A.bias_act_bwd_amax(dy, x, b, kind, True, amax=amax)
+            assert torch.equal(dz2, dz) and torch.equal(db2, db), mode
+            assert torch.equal(amax, C.tensor_amax(dz)), mode
