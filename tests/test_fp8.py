@@ -36,6 +36,28 @@ def _run(seq, x, dy, recipe, steps=1):
     return y, x.grad
 
 
+@pytest.fixture
+def cast_roles(monkeypatch):
+    """(role, transposed) of every cast the FP8 linears and Quantize ops make themselves."""
+    import fusible_ops.ops.fp8_linear as FL
+    import fusible_ops.ops.quantize as QO
+
+    calls = []
+    real = Q.quantize
+
+    def spy(t, r, role, **kw):
+        calls.append((role, kw.get("transposed", False)))
+        return real(t, r, role, **kw)
+
+    monkeypatch.setattr(FL, "quantize", spy)
+    monkeypatch.setattr(QO, "quantize", spy)
+    return calls
+
+
+def _count(calls, role):
+    return sum(1 for r, _ in calls if r == role)
+
+
 def _float64_reference(seq, x, dy):
     ref = _mlp(dtype=torch.float64, h=seq[0].in_features, f=seq[0].out_features)
     ref.load_state_dict({k: v.double().cpu() for k, v in seq.state_dict().items()})
@@ -170,22 +192,12 @@ def test_quantize_output_is_float8_tensor_that_dequantizes():
     assert x.grad is not None and seq[0].weight.grad is not None
 
 
-def test_next_sequential_consumes_quantized_input_without_recasting(monkeypatch):
+def test_next_sequential_consumes_quantized_input_without_recasting(cast_roles):
     recipe = fo.Float8CurrentScaling()
     first = fo.Sequential(fo.Linear(64, 64), fo.Quantize())
     second = fo.Sequential(fo.Linear(64, 32))
     x = torch.randn(32, 64, requires_grad=True)
-    roles = []
-    real = Q.quantize
-
-    def spy(t, r, role, **kw):
-        roles.append(role)
-        return real(t, r, role, **kw)
-
-    import fusible_ops.ops.fp8_linear as FL
-    import fusible_ops.ops.quantize as QO
-    monkeypatch.setattr(FL, "quantize", spy)
-    monkeypatch.setattr(QO, "quantize", spy)
+    roles = cast_roles
     with fo.autocast(recipe=recipe):
         h = first(x)
         roles.clear()
@@ -258,25 +270,13 @@ def test_main_grad_and_delayed_wgrad(recipe):
     torch.testing.assert_close(lin.weight.main_grad, plain[0].weight.grad, rtol=0, atol=1e-6)
 
 
-def test_frozen_weight_keeps_no_input_copy():
+def test_frozen_weight_keeps_no_input_copy(cast_roles):
     seq = fo.Sequential(fo.Linear(128, 128))
     seq[0].weight.requires_grad_(False)
     x = torch.randn(64, 128, requires_grad=True)
-    seen = []
-    real = Q.quantize
-
-    def spy(t, r, role, transposed=False, **kw):
-        seen.append((role, transposed))
-        return real(t, r, role, transposed=transposed, **kw)
-
-    import fusible_ops.ops.fp8_linear as FL
-    FL.quantize, saved = spy, FL.quantize
-    try:
-        with fo.autocast(recipe=fo.Float8CurrentScaling()):
-            seq(x).sum().backward()
-    finally:
-        FL.quantize = saved
-    assert ("input", False) in seen and ("grad_output", False) in seen  # no transposed copies
+    with fo.autocast(recipe=fo.Float8CurrentScaling()):
+        seq(x).sum().backward()
+    assert cast_roles == [("input", False), ("grad_output", False)]  # no transposed copies
     assert seq[0].weight.grad is None and x.grad is not None
 
 
@@ -379,27 +379,19 @@ def test_delayed_amax_reduced_over_a_process_group(tmp_path):
 
 
 @pytest.mark.parametrize("recipe", RECIPES[:3], ids=IDS[:3])
-def test_activation_writes_the_next_linears_fp8_input(recipe, monkeypatch):
+def test_activation_writes_the_next_linears_fp8_input(recipe, cast_roles):
     """Hand-off: the fused bias + GELU writes the second linear's FP8 input (its pass records the
     amax, then one cast writes both layouts; block: a standalone cast), its backward writes the
     first linear's FP8 output gradient the same way, and the results equal the unfused chain's."""
     import copy
 
-    import fusible_ops.ops.fp8_linear as FL
     from fusible_ops.fusion_rules import disabled
 
     fused = _mlp()
     plain = copy.deepcopy(fused)
     g = torch.Generator().manual_seed(5)
     x, dy = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
-    casts = []
-    real = FL.quantize
-
-    def spy(t, r, role, **kw):
-        casts.append(role)
-        return real(t, r, role, **kw)
-
-    monkeypatch.setattr(FL, "quantize", spy)
+    casts = cast_roles
     outs = {}
     for name, seq in (("fused", fused), ("plain", plain)):
         casts.clear()
@@ -408,8 +400,8 @@ def test_activation_writes_the_next_linears_fp8_input(recipe, monkeypatch):
         with ctx:
             for _ in range(2):  # delayed scaling: the second step reads the history
                 y, dx = _run(seq, x, dy, recipe)
-            outs[name] = (y, dx, seq[2].weight.grad.clone(), seq[0].weight.grad.clone(), casts.count("input"),
-                          casts.count("grad_output"))
+            outs[name] = (y, dx, seq[2].weight.grad.clone(), seq[0].weight.grad.clone(), _count(casts, "input"),
+                          _count(casts, "grad_output"))
             assert [r["rule"] for r in seq.fusion_plan()][0] == (
                 "linear_bias_activation" if name == "fused" else "linear_bias")
     assert outs["plain"][4:] == (4, 4)  # two steps: both linears cast their input and output gradient
@@ -422,12 +414,11 @@ def test_activation_writes_the_next_linears_fp8_input(recipe, monkeypatch):
 @pytest.mark.parametrize("recipe", RECIPES[:3], ids=IDS[:3])
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("residual", [False, True])
-def test_norm_writes_the_next_linears_fp8_input(recipe, norm, residual, monkeypatch):
+def test_norm_writes_the_next_linears_fp8_input(recipe, norm, residual, monkeypatch, cast_roles):
     """Hand-off from LayerNorm / RMSNorm (residual-fused or not): no cast in the linear, and the same
     results as the chain with the linear casting its input itself."""
     import copy
 
-    import fusible_ops.ops.fp8_linear as FL
     import fusible_ops.ops.norm as N
 
     cls = fo.LayerNorm if norm == "layernorm" else fo.RMSNorm
@@ -438,9 +429,7 @@ def test_norm_writes_the_next_linears_fp8_input(recipe, norm, residual, monkeypa
     g = torch.Generator().manual_seed(6)
     x, r, dy = (torch.randn(128, 128, generator=g) for _ in range(3))
     extra = (r,) if residual else ()
-    casts = []
-    real = FL.quantize
-    monkeypatch.setattr(FL, "quantize", lambda t, rc, role, **kw: casts.append(role) or real(t, rc, role, **kw))
+    casts = cast_roles
     outs = []
     for seq, hand_off in ((fused, True), (plain, False)):
         casts.clear()
@@ -453,7 +442,7 @@ def test_norm_writes_the_next_linears_fp8_input(recipe, norm, residual, monkeypa
             with fo.autocast(recipe=recipe):
                 y = seq(xx, *extra)
             y.backward(dy)
-        outs.append((y, xx.grad, seq[-1].weight.grad.clone(), casts.count("input")))
+        outs.append((y, xx.grad, seq[-1].weight.grad.clone(), _count(casts, "input")))
     assert outs[0][3] == 0 and outs[1][3] == 2
     for a, b in zip(outs[0][:3], outs[1][:3]):
         assert torch.equal(a, b)
