@@ -18,7 +18,7 @@ compute with, and autograd routes their gradients.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch.nn.utils import parametrize
@@ -28,8 +28,6 @@ from .op import BasicOperation, OperationContext
 from .quantization.recipes import current_recipe
 from .quantization.tensor import Float8Tensor
 from .rules import Decline, FusionContext, Group, RuleSet, disabled_key, global_rules, plan_pass
-
-
 
 
 @dataclasses.dataclass
