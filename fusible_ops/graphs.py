@@ -22,6 +22,13 @@ function does not on its own:
   graph per op; after each backward replay ``op.backward_dw()`` replays it (then runs the op's
   wgrad hooks in Python, as in eager). The :func:`~fusible_ops.delayed_wgrad` scheduler is not
   supported under capture (set ``delay_wgrad_compute`` on the ops instead).
+* **FP8 weights** (under :func:`fusible_ops.autocast`) are cast once per change, as in eager:
+  the graphs read the cached FP8 weight's buffers, and before a forward replay the wrapper
+  re-casts into them each weight whose version counter moved (an optimizer step or any other
+  in-place update on the host); micro-batches between optimizer steps replay with no weight cast.
+  An update the host does not see (an optimizer step captured in a graph of its own) is not
+  detected: pass ``fp8_weight_cache=False`` then, and the cast is captured and runs on every
+  replay (as under a plain ``torch.cuda.graph`` capture).
 * **Dropout** draws its seed on the device from the CUDA generator, so each replay draws a new
   mask (forward and backward of one replay agree).
 * **Inputs**: every sample argument must be a CUDA tensor; grouped-linear split sizes are read on
@@ -39,6 +46,7 @@ import torch
 
 from .grad import WeightGradMixin
 from .op import FusibleOperation
+from .quantization.casting import graph_weight_cache, refresh_graph_weights
 
 Callables = Union[torch.nn.Module, tuple]
 
@@ -164,7 +172,7 @@ def _capture_delayed(ops, pool) -> dict:
 
 
 def make_graphed_callables(modules: Callables, sample_args, *, num_warmup_iters: int = 3,
-                           pool=None) -> Callables:
+                           pool=None, fp8_weight_cache: bool = True) -> Callables:
     """Capture forward and backward of fusible modules (a ``Sequential``, or a tuple of them run
     in that order) in CUDA graphs, as ``torch.cuda.make_graphed_callables`` does, with the
     gradient contract intact under replay (see this module's docstring for what is guaranteed).
@@ -172,7 +180,10 @@ def make_graphed_callables(modules: Callables, sample_args, *, num_warmup_iters:
     ``sample_args``: a tuple of CUDA tensors per module (a tuple of such tuples for a tuple of
     modules), with the ``requires_grad`` and shapes of every later call. Returns the module(s)
     with forward replaced by graph replay, like torch's function. Call it before the first
-    optimizer step of the graphed region and after attaching ``main_grad`` buffers. While it
+    optimizer step of the graphed region and after attaching ``main_grad`` buffers.
+    ``fp8_weight_cache``: FP8 weights are re-cast before a replay only when their version counter
+    moved (False: the cast is in the graph and runs on every replay; needed when the weights are
+    updated where the host cannot see it, e.g. by an optimizer step replayed from a graph). While it
     runs it holds one copy of every ``main_grad`` (to undo the warm-up's accumulation).
     """
     single = not isinstance(modules, tuple)
@@ -196,20 +207,24 @@ def make_graphed_callables(modules: Callables, sample_args, *, num_warmup_iters:
     torch.cuda.synchronize()
     state.restore()
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-    graphed = torch.cuda.make_graphed_callables(mods, args, num_warmup_iters=0, allow_unused_input=True, pool=pool)
-    graphed = tuple(graphed)  # (torch returns a tuple for a tuple of callables)
-    delayed = _capture_delayed(ops, pool)
+    with graph_weight_cache(fp8_weight_cache) as fp8_weights:
+        graphed = torch.cuda.make_graphed_callables(mods, args, num_warmup_iters=0, allow_unused_input=True, pool=pool)
+        graphed = tuple(graphed)  # (torch returns a tuple for a tuple of callables)
+        delayed = _capture_delayed(ops, pool)
     torch.cuda.synchronize()
     state.restore()
     for m in graphed:
-        _install_after_backward(m, ops, delayed)
+        _install_after_backward(m, ops, delayed, fp8_weights)
     return graphed[0] if single else graphed
 
 
-def _install_after_backward(module: torch.nn.Module, ops, delayed: dict) -> None:
-    """After each backward replay: set the contract flags and queue the delayed-wgrad graphs,
-    as the ops' own backward would in eager mode."""
+def _install_after_backward(module: torch.nn.Module, ops, delayed: dict, fp8_weights: list) -> None:
+    """Before each forward replay: re-cast the FP8 weights the graph reads if they changed. After
+    each backward replay: set the contract flags and queue the delayed-wgrad graphs, as the ops'
+    own backward would in eager mode."""
     mine = [op for op in ops if any(op is o for o in _weight_ops((module,)))]
+    owners = {id(m) for m in module.modules()} | {id(op) for op in mine}
+    my_fp8 = [e for e in fp8_weights if id(e[0]) in owners]
     flagged = [p for op in mine if op.accumulate_into_main_grad and id(op) not in delayed for p in _wgrad_params(op)]
     queued = [(op, delayed[id(op)]) for op in mine if id(op) in delayed]
     graphed_forward = module.forward
@@ -224,6 +239,8 @@ def _install_after_backward(module: torch.nn.Module, ops, delayed: dict) -> None
                 p.skip_backward_post_hook = True
 
     def forward(*args):
+        if my_fp8:
+            refresh_graph_weights(my_fp8)
         out = graphed_forward(*args)
         first = out[0] if isinstance(out, tuple) else out
         if (flagged or queued) and first.grad_fn is not None:

@@ -471,3 +471,26 @@ def test_delayed_hand_off_without_grad_writes_fp8_in_the_producer(monkeypatch):
                 yp = plain(x)
     assert calls == [True, True]  # FP8 written by the producer, both calls
     assert torch.equal(y, yp)
+
+
+def test_graph_weight_refresh_recasts_only_changed_weights():
+    """What a graphed module runs before a replay (fusible_ops.make_graphed_callables): the FP8
+    weight the graph reads is re-cast in place, once, after the weight changed; else nothing."""
+    lin = fo.Linear(128, 256)
+    recipe = fo.Float8CurrentScaling()
+    wq = Q.cached_weight(lin, lin.weight, recipe, transposed=True)
+    bufs = (wq._data, wq._scale_inv, wq._data_t)
+    entries = [(lin, lin.weight, recipe, True, wq)]
+    Q.refresh_graph_weights(entries)
+    assert lin.fp8_weight_casts == 1  # unchanged weight: no cast
+    with torch.no_grad():
+        lin.weight.add_(torch.randn_like(lin.weight))
+    Q.refresh_graph_weights(entries)
+    Q.refresh_graph_weights(entries)
+    assert lin.fp8_weight_casts == 2
+    fresh = Q.quantize(lin.weight.detach(), recipe, "weight", transposed=True)
+    assert all(a is b for a, b in zip((wq._data, wq._scale_inv, wq._data_t), bufs))  # written in place
+    assert torch.equal(wq._data.view(torch.uint8), fresh._data.view(torch.uint8))
+    assert torch.equal(wq._data_t.view(torch.uint8), fresh._data_t.view(torch.uint8))
+    assert torch.equal(wq._scale_inv, fresh._scale_inv)
+    assert Q.cached_weight(lin, lin.weight, recipe, transposed=True) is wq  # the eager cache agrees

@@ -9,6 +9,7 @@ checkpoint that holds them restores them (see :class:`FP8StateMixin`).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -221,14 +222,19 @@ def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transpos
     """The FP8 weight, quantized once per change of the weight: the cache on ``owner`` is keyed on
     the parameter's identity, storage, version counter (bumped by every in-place update, e.g. an
     optimizer step), the recipe and the forms needed. Counts casts in ``owner.fp8_weight_casts``.
-    Under CUDA-graph capture the cast is always captured (the graph re-casts on every replay)."""
-    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
-        # A CUDA graph replays without this check: the graph casts on every replay (correct after
-        # any in-place weight update; skipping the cast on the device is not done yet).
-        with torch.no_grad():
-            return quantize(weight.detach(), recipe, "weight", transposed=transposed, owner=owner)
+
+    Under CUDA-graph capture: inside :func:`fusible_ops.make_graphed_callables` the graph reads
+    the cached FP8 weight's buffers (made during its warm-up) and the graphed module re-casts into
+    them before a replay only when the weight's version changed (:func:`refresh_graph_weights`);
+    under any other capture the cast is captured and runs on every replay."""
     key = (id(weight), weight.data_ptr(), weight._version, recipe, transposed)
     hit = owner.__dict__.get("_fp8_weight_cache")
+    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        if _GRAPH_WEIGHTS is not None and hit is not None and hit[0][:2] == key[:2] and hit[0][3:] == key[3:]:
+            _GRAPH_WEIGHTS.append((owner, weight, recipe, transposed, hit[1]))
+            return hit[1]
+        with torch.no_grad():
+            return quantize(weight.detach(), recipe, "weight", transposed=transposed, owner=owner)
     if hit is not None and hit[0] == key:
         return hit[1]
     with torch.no_grad():
@@ -238,4 +244,44 @@ def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transpos
     return wq
 
 
-__all__ = ["FP8StateMixin", "GradOutputQuantizer", "InputQuantizer", "cached_weight", "delayed_state", "quantize", "with_colwise"]
+_GRAPH_WEIGHTS: Optional[list] = None  # set while make_graphed_callables captures
+
+
+@contextlib.contextmanager
+def graph_weight_cache(enabled: bool = True):
+    """Collect, while a graph is captured inside, the cached FP8 weights the graph reads: yields a
+    list of ``(owner, weight, recipe, transposed, Float8Tensor)`` for :func:`refresh_graph_weights`
+    (stays empty when not ``enabled``: the casts are captured)."""
+    global _GRAPH_WEIGHTS
+    entries: list = []
+    outer, _GRAPH_WEIGHTS = _GRAPH_WEIGHTS, (entries if enabled else None)
+    try:
+        yield entries
+    finally:
+        _GRAPH_WEIGHTS = outer
+
+
+def refresh_graph_weights(entries) -> None:
+    """Before a replay: re-cast, into the buffers the graph reads, every captured FP8 weight whose
+    parameter changed since its last cast (its version counter moved, e.g. an optimizer step), so
+    micro-batches replayed between optimizer steps cast each weight once. One host-side check per
+    weight; no work on the device when nothing changed."""
+    for owner, weight, recipe, transposed, wq in entries:
+        key = (id(weight), weight.data_ptr(), weight._version, recipe, transposed)
+        hit = owner.__dict__.get("_fp8_weight_cache")
+        if hit is not None and hit[0] == key and hit[1] is wq:
+            continue
+        with torch.no_grad():
+            new = quantize(weight.detach(), recipe, "weight", transposed=transposed, owner=owner)
+            wq._data.copy_(new._data)
+            wq._scale_inv.copy_(new._scale_inv)
+            if wq._data_t is not None:
+                wq._data_t.copy_(new._data_t)
+                if wq._scale_inv_t is not wq._scale_inv:
+                    wq._scale_inv_t.copy_(new._scale_inv_t)
+        owner.__dict__["_fp8_weight_cache"] = (key, wq)
+        owner.__dict__["fp8_weight_casts"] = owner.__dict__.get("fp8_weight_casts", 0) + 1
+
+
+__all__ = ["FP8StateMixin", "GradOutputQuantizer", "InputQuantizer", "cached_weight", "delayed_state", "graph_weight_cache",
+           "quantize", "refresh_graph_weights", "with_colwise"]
