@@ -346,7 +346,9 @@ def test_explain_shows_where_casts_run_and_fallbacks():
     assert "[5] BasicLinear: FP8 GEMMs; input already FP8 from Quantize [4]" in text
     assert "output gradient: standalone cast (E5M2)" in text  # [4]: GELU's backward is not next to it
     assert "[1] BasicLinear" in text and "output gradient (E5M2) written for it by the fused backward of [2...]" in text
-    assert "[7] GroupedLinear: high precision (fallback)" in text
+    assert "[7] GroupedLinear: FP8 grouped GEMMs" in text
+    with fo.autocast(recipe=fo.Float8BlockScaling()):
+        assert "[7] GroupedLinear: high precision (fallback)" in seq.explain(x, torch.tensor([64, 64]))
 
 
 def _amax_reduction_worker(rank, world, init_file, out_dir):
@@ -480,7 +482,7 @@ def test_graph_weight_refresh_recasts_only_changed_weights():
     recipe = fo.Float8CurrentScaling()
     wq = Q.cached_weight(lin, lin.weight, recipe, transposed=True)
     bufs = (wq._data, wq._scale_inv, wq._data_t)
-    entries = [(lin, lin.weight, recipe, True, wq)]
+    entries = [(lin, lin.weight, recipe, True, False, wq)]
     Q.refresh_graph_weights(entries)
     assert lin.fp8_weight_casts == 1  # unchanged weight: no cast
     with torch.no_grad():

@@ -23,6 +23,7 @@ from ..grad import deliver_weight_grad
 from ..op import FusedOperation
 from ..ops.activation import GEGLU, ScaledSwiGLU, SwiGLU
 from ..ops.grouped_linear import GroupedLinear, check_split_sizes
+from ..quantization.recipes import Float8BlockScaling
 from ..rules import match, rule
 
 
@@ -117,6 +118,9 @@ def _check(ops, ctx):
         return f"FC1 has {fc1.num_groups} groups, FC2 {fc2.num_groups}"
     if ctx.device is not None and ctx.device.type == "cuda" and ctx.dtype == torch.float64:
         return "float64 on CUDA: the Triton kernels serve fp32/fp16/bf16"
+    if ctx.recipe is not None and not isinstance(ctx.recipe, Float8BlockScaling):
+        return (f"FP8 ({type(ctx.recipe).__name__}): the fused GLU-epilogue grouped MLP is bf16 only; the grouped "
+                f"linears run their FP8 grouped GEMMs unfused")
     return None
 
 

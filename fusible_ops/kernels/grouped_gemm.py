@@ -28,7 +28,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .persistent import (group_rows, mainloop, mn_config, operand_descs, split_cols, tile_coords, tile_space,
-                             wgrad_config)
+                             wgrad_config, wgrad_store, wgrad_tile)
 
     @triton.jit
     def _ggemm_kernel(
@@ -61,18 +61,6 @@ if HAS_TRITON:
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _wgrad_store(acc, o_base, offs_n, nmask, c0, K, mg, s_on, s_ok, ACCUMULATE: tl.constexpr, BC: tl.constexpr):
-        """Store (or add into) out[g][n-tile, c0:c0+BC] from the fp32 tile ``acc``."""
-        offs_k = c0 + tl.arange(0, BC)
-        o_ptrs = o_base + offs_n.to(tl.int64)[:, None] * s_on + offs_k.to(tl.int64)[None, :] * s_ok
-        if ACCUMULATE:
-            K = tl.where(mg > 0, K, 0)  # empty groups stay untouched
-        omask = nmask[:, None] & (offs_k < K)[None, :]
-        if ACCUMULATE:
-            acc += tl.load(o_ptrs, mask=omask, other=0.0).to(tl.float32)
-        tl.store(o_ptrs, acc.to(o_base.dtype.element_ty), mask=omask)
-
-    @triton.jit
     def _ggemm_wgrad_kernel(
         dy_ptr,  # [M, N] (strided)
         x_ptr,  # [M, K] (strided)
@@ -84,20 +72,8 @@ if HAS_TRITON:
         BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
     ):
         """out[g] (+)= dy_g.T @ x_g, one [BN, BK] tile per program, grid G * tiles_n * tiles_k."""
-        pid = tl.program_id(0)
-        tiles_n = tl.cdiv(N, BN)
-        tiles_k = tl.cdiv(K, BK)
-        per_g = tiles_n * tiles_k
-        g = pid // per_g
-        local = pid % per_g
-        width = GROUP_N * tiles_k
-        first_n = (local // width) * GROUP_N
-        gsz = tl.minimum(tiles_n - first_n, GROUP_N)
-        pid_n = first_n + (local % width) % gsz
-        pid_k = (local % width) // gsz
+        g, n0, k0 = wgrad_tile(tl.program_id(0), N, K, BN, BK, GROUP_N)
         r0, mg = group_rows(split_ptr, g, G, M, G_P2)
-        n0 = pid_n * BN
-        k0 = pid_k * BK
         offs_n = n0 + tl.arange(0, BN)
         offs_k = k0 + tl.arange(0, BK)
         nmask = offs_n < N
@@ -125,10 +101,10 @@ if HAS_TRITON:
         o_base = out_ptr + g.to(tl.int64) * s_og
         if ACCUMULATE and BK >= 128:  # read-modify-write in two column halves (register pressure)
             acc0, acc1 = split_cols(acc, BN, BK)
-            _wgrad_store(acc0, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
-            _wgrad_store(acc1, o_base, offs_n, nmask, k0 + BK // 2, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
+            wgrad_store(acc0, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
+            wgrad_store(acc1, o_base, offs_n, nmask, k0 + BK // 2, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
         else:
-            _wgrad_store(acc, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK)
+            wgrad_store(acc, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK)
 
     @triton.jit
     def _group_colsum_kernel(

@@ -153,6 +153,34 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
+    def wgrad_tile(pid, N, K, BN: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.constexpr):
+        """(g, n0, k0) of weight-gradient program ``pid``: G * cdiv(N, BN) * cdiv(K, BK) programs,
+        group-major, with a GROUP_N swizzle of the n tiles inside a group."""
+        tiles_n = tl.cdiv(N, BN)
+        tiles_k = tl.cdiv(K, BK)
+        per_g = tiles_n * tiles_k
+        g = pid // per_g
+        local = pid % per_g
+        width = GROUP_N * tiles_k
+        first_n = (local // width) * GROUP_N
+        gsz = tl.minimum(tiles_n - first_n, GROUP_N)
+        pid_n = first_n + (local % width) % gsz
+        pid_k = (local % width) // gsz
+        return g, pid_n * BN, pid_k * BK
+
+    @triton.jit
+    def wgrad_store(acc, o_base, offs_n, nmask, c0, K, mg, s_on, s_ok, ACCUMULATE: tl.constexpr, BC: tl.constexpr):
+        """Store (or add into) out[g][n-tile, c0:c0+BC] from the fp32 tile ``acc``."""
+        offs_k = c0 + tl.arange(0, BC)
+        o_ptrs = o_base + offs_n.to(tl.int64)[:, None] * s_on + offs_k.to(tl.int64)[None, :] * s_ok
+        if ACCUMULATE:
+            K = tl.where(mg > 0, K, 0)  # empty groups stay untouched
+        omask = nmask[:, None] & (offs_k < K)[None, :]
+        if ACCUMULATE:
+            acc += tl.load(o_ptrs, mask=omask, other=0.0).to(tl.float32)
+        tl.store(o_ptrs, acc.to(o_base.dtype.element_ty), mask=omask)
+
+    @triton.jit
     def _splits_ok_kernel(split_ptr, G, rows, ok_ptr, G_P2: tl.constexpr):
         gi = tl.arange(0, G_P2)
         m = tl.load(split_ptr + gi, mask=gi < G, other=0)
@@ -263,4 +291,4 @@ def same_dtype(a: torch.Tensor, b: torch.Tensor) -> None:
 
 __all__ = ["INTERP_MN", "INTERP_PROGS", "INTERP_WG", "check_splits", "group_p2", "persistent_grid", "same_dtype",
            "splits_ok", "tma_ok"] + (["group_rows", "group_table", "locate_tile", "mainloop", "mn_config", "operand_descs", "pick", "split_cols",
-                         "tile_coords", "tile_space", "wgrad_config"] if HAS_TRITON else [])
+                         "tile_coords", "tile_space", "wgrad_config", "wgrad_store", "wgrad_tile"] if HAS_TRITON else [])

@@ -12,6 +12,8 @@ from ..kernels import use_triton
 from ..kernels.persistent import splits_ok
 from ..grad import WeightGradMixin, deliver_weight_grad
 from ..op import BasicOperation
+from ..quantization.casting import FP8StateMixin
+from .fp8_grouped import fp8_grouped_backward, fp8_grouped_forward, grouped_recipe
 from .validation import check_input
 
 
@@ -58,7 +60,7 @@ def check_split_sizes(op, split_sizes, num_groups: int, rows: int, device: torch
     return split_sizes.to(device=device, dtype=torch.int64)
 
 
-class GroupedLinear(WeightGradMixin, BasicOperation):
+class GroupedLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
     """Rows of ``x`` [..., in_features] are split in order into ``num_groups`` groups by the
     extra input ``split_sizes`` (1-D int64, length ``num_groups``, any device; empty groups are
     valid); group g computes ``x_g @ weight[g].T (+ bias[g])``.
@@ -67,6 +69,10 @@ class GroupedLinear(WeightGradMixin, BasicOperation):
     forward, input gradient and weight gradient are one Triton grouped-GEMM launch each, with
     group offsets computed on the device (no host sync: CUDA-graph capturable with CUDA split
     sizes). A ``main_grad`` must be one buffer viewable as [G, out, in] without a copy.
+
+    Inside :func:`fusible_ops.autocast` with a per-tensor recipe (current or delayed scaling) the
+    three grouped GEMMs run in FP8 (see :mod:`fusible_ops.ops.fp8_grouped`); block scaling runs
+    them in high precision.
     """
 
     num_extra_inputs = 1
@@ -162,14 +168,24 @@ class GroupedLinear(WeightGradMixin, BasicOperation):
     def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
         (split_sizes,) = extra_inputs[0]
         x2d, splits = self.prepare(x, split_sizes)
-        y = self.forward_2d(x2d, splits)
-        if ctxs[0].requires_grad:
-            self.save_ctx(ctxs[0], x2d, splits, x.shape)
+        ctx = ctxs[0]
+        recipe = grouped_recipe()
+        if recipe is not None:
+            y = fp8_grouped_forward(self, ctx, x2d, splits, recipe)
+            ctx.input_shape = x.shape
+        else:
+            y = self.forward_2d(x2d, splits)
+            ctx.fp8 = None
+            if ctx.requires_grad:
+                self.save_ctx(ctx, x2d, splits, x.shape)
         return y.reshape(*x.shape[:-1], self.out_features), [()]
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
         ctx = ctxs[0]
-        dx, pgrads = self.backward_2d(ctx, dy.reshape(-1, self.out_features))
+        if getattr(ctx, "fp8", None) is not None:
+            dx, pgrads = fp8_grouped_backward(self, ctx, dy.reshape(-1, self.out_features))
+        else:
+            dx, pgrads = self.backward_2d(ctx, dy.reshape(-1, self.out_features))
         if dx is not None:
             dx = dx.reshape(ctx.input_shape)
         return dx, [pgrads], [(None,)]

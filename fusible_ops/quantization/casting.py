@@ -218,27 +218,44 @@ def with_colwise(t: Float8Tensor) -> Float8Tensor:
 # ---- weight cache
 
 
-def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transposed: bool) -> Float8Tensor:
+def _cast_weight(owner, weight: torch.Tensor, recipe, transposed: bool, grouped: bool) -> Float8Tensor:
+    """The weight's FP8 form. ``grouped`` (experts' weights [G, N, K], per-tensor scaling): the
+    row-wise bytes [G, N, K] and, with ``transposed``, the per-group transposed copy [G, K, N]
+    (what the input-gradient grouped GEMM reads K-major), both for all groups at once."""
+    with torch.no_grad():
+        if not grouped:
+            return quantize(weight.detach(), recipe, "weight", transposed=transposed, owner=owner)
+        if isinstance(recipe, Float8BlockScaling):
+            raise NotImplementedError("grouped FP8 weights: per-tensor recipes only")
+        wq = quantize(weight.detach(), recipe, "weight", owner=owner)
+        data, inv = wq.rowwise
+        data = data.view(weight.shape)
+        data_t = data.view(torch.uint8).transpose(1, 2).contiguous().view(data.dtype) if transposed else None
+        return Float8Tensor(data, inv, weight.dtype, weight.shape, scaling="tensor", data_t=data_t,
+                            scale_inv_t=inv if transposed else None, recipe=recipe)
+
+
+def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transposed: bool,
+                  grouped: bool = False) -> Float8Tensor:
     """The FP8 weight, quantized once per change of the weight: the cache on ``owner`` is keyed on
     the parameter's identity, storage, version counter (bumped by every in-place update, e.g. an
     optimizer step), the recipe and the forms needed. Counts casts in ``owner.fp8_weight_casts``.
+    ``grouped``: experts' weights [G, N, K] (see :func:`_cast_weight`).
 
     Under CUDA-graph capture: inside :func:`fusible_ops.make_graphed_callables` the graph reads
     the cached FP8 weight's buffers (made during its warm-up) and the graphed module re-casts into
     them before a replay only when the weight's version changed (:func:`refresh_graph_weights`);
     under any other capture the cast is captured and runs on every replay."""
-    key = (id(weight), weight.data_ptr(), weight._version, recipe, transposed)
+    key = (id(weight), weight.data_ptr(), weight._version, recipe, transposed, grouped)
     hit = owner.__dict__.get("_fp8_weight_cache")
     if weight.is_cuda and torch.cuda.is_current_stream_capturing():
         if _GRAPH_WEIGHTS is not None and hit is not None and hit[0][:2] == key[:2] and hit[0][3:] == key[3:]:
-            _GRAPH_WEIGHTS.append((owner, weight, recipe, transposed, hit[1]))
+            _GRAPH_WEIGHTS.append((owner, weight, recipe, transposed, grouped, hit[1]))
             return hit[1]
-        with torch.no_grad():
-            return quantize(weight.detach(), recipe, "weight", transposed=transposed, owner=owner)
+        return _cast_weight(owner, weight, recipe, transposed, grouped)
     if hit is not None and hit[0] == key:
         return hit[1]
-    with torch.no_grad():
-        wq = quantize(weight.detach(), recipe, "weight", transposed=transposed, owner=owner)
+    wq = _cast_weight(owner, weight, recipe, transposed, grouped)
     owner.__dict__["_fp8_weight_cache"] = (key, wq)
     owner.__dict__["fp8_weight_casts"] = owner.__dict__.get("fp8_weight_casts", 0) + 1
     return wq
@@ -250,7 +267,7 @@ _GRAPH_WEIGHTS: Optional[list] = None  # set while make_graphed_callables captur
 @contextlib.contextmanager
 def graph_weight_cache(enabled: bool = True):
     """Collect, while a graph is captured inside, the cached FP8 weights the graph reads: yields a
-    list of ``(owner, weight, recipe, transposed, Float8Tensor)`` for :func:`refresh_graph_weights`
+    list of ``(owner, weight, recipe, transposed, grouped, Float8Tensor)`` for :func:`refresh_graph_weights`
     (stays empty when not ``enabled``: the casts are captured)."""
     global _GRAPH_WEIGHTS
     entries: list = []
@@ -266,13 +283,13 @@ def refresh_graph_weights(entries) -> None:
     parameter changed since its last cast (its version counter moved, e.g. an optimizer step), so
     micro-batches replayed between optimizer steps cast each weight once. One host-side check per
     weight; no work on the device when nothing changed."""
-    for owner, weight, recipe, transposed, wq in entries:
-        key = (id(weight), weight.data_ptr(), weight._version, recipe, transposed)
+    for owner, weight, recipe, transposed, grouped, wq in entries:
+        key = (id(weight), weight.data_ptr(), weight._version, recipe, transposed, grouped)
         hit = owner.__dict__.get("_fp8_weight_cache")
         if hit is not None and hit[0] == key and hit[1] is wq:
             continue
+        new = _cast_weight(owner, weight, recipe, transposed, grouped)
         with torch.no_grad():
-            new = quantize(weight.detach(), recipe, "weight", transposed=transposed, owner=owner)
             wq._data.copy_(new._data)
             wq._scale_inv.copy_(new._scale_inv)
             if wq._data_t is not None:

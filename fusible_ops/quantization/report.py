@@ -69,7 +69,14 @@ def fp8_lines(ops, recipe, producers=frozenset(), grad_producers=frozenset()) ->
                 grad = f"output gradient: standalone cast ({_fmt(recipe, 'grad_output')}) in its backward"
             lines.append(f"  {name}: FP8 GEMMs; {src}; weight cast once per weight change (cache); {grad}{extra}")
         elif isinstance(op, GroupedLinear):
-            lines.append(f"  {name}: high precision (fallback): FP8 grouped GEMMs are not implemented yet")
+            if isinstance(recipe, Float8BlockScaling):
+                lines.append(f"  {name}: high precision (fallback): block-scaled FP8 grouped GEMMs are not "
+                             f"implemented yet")
+            else:
+                lines.append(f"  {name}: FP8 grouped GEMMs (one scale per tensor; all experts' weights share "
+                             f"one); input: standalone cast ({_fmt(recipe, 'input')}) in this op; weight cast "
+                             f"once per weight change (cache); output gradient: standalone cast "
+                             f"({_fmt(recipe, 'grad_output')}) in its backward")
     return lines
 
 

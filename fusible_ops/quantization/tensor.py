@@ -73,6 +73,19 @@ class Float8Tensor(torch.Tensor):
         out = dequantize_2d(self._data, self._scale_inv, self._scaling)
         return out.to(dtype or self.dtype).reshape(self.shape)
 
+    def __deepcopy__(self, memo) -> "Float8Tensor":
+        """A copy with its own bytes and scales (``copy.deepcopy`` of a module holding a cached
+        FP8 weight)."""
+        def c(t):
+            return None if t is None else t.clone()
+
+        inv = self._scale_inv.clone()
+        inv_t = inv if self._scale_inv_t is self._scale_inv else c(self._scale_inv_t)
+        new = Float8Tensor(self._data.clone(), inv, self.dtype, self.shape, scaling=self._scaling, data_t=c(self._data_t),
+                           scale_inv_t=inv_t, recipe=self._recipe)
+        memo[id(self)] = new
+        return new
+
     def __repr__(self) -> str:
         return (f"Float8Tensor(shape={list(self.shape)}, dtype={self.dtype}, fp8={self._data.dtype}, "
                 f"scaling={self._scaling!r}, colwise={self._data_t is not None})")

@@ -1,0 +1,268 @@
+"""FP8 grouped GEMMs for MoE experts (Triton, Hopper), beside pure-torch ``*_ref`` twins.
+
+Grouping contract, no-host-sync guarantee and persistent tile space: those of
+:mod:`fusible_ops.kernels.persistent` (split sizes read on the device; empty groups and zero
+rows valid; graph-capturable with other split values of the same total).
+
+Operands are FP8 bytes (``float8_e4m3fn`` / ``float8_e5m2``) with one fp32 ``scale_inv`` each
+(per-tensor scaling; value = byte * scale_inv). Hopper's FP8 MMA reads both operands K-major
+(the reduction dim contiguous), so every operand comes in that layout:
+
+* :func:`fp8_grouped_mm` ``c[rows of g] = a_g @ b[g].T``, a [M, K], b [G, N, K]: forward
+  (b = the weight [G, out, in]) and input gradient (b = the weight's per-group transposed copy
+  [G, in, out], made once per weight change by the weight cache).
+* :func:`fp8_grouped_wgrad` ``out[g] (+)= a_t[:, rows of g] @ b_t[:, rows of g].T``, a_t [N, M],
+  b_t [K, M]: the weight gradient from the column-wise copies of the output gradient and the
+  input (written by their casts in the same pass as the row-wise bytes).
+
+The fp32 accumulator is multiplied by ``scale_inv_a * scale_inv_b`` (then + bias) and stored in
+the output dtype, or added into an fp32 buffer (``main_grad``). Under Triton's interpreter the
+operands may be fp16/fp32 tensors holding FP8 values (FP8 ``tl.dot`` is not emulated there); FP8
+tensors on the CPU run the ``*_ref`` (fp32 math on the dequantized values).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import HAS_TRITON, use_triton
+from .fp8_gemm import fp8_capable
+from .grouped_gemm import grouped_gemm_fwd_ref, grouped_gemm_wgrad_ref
+from .launch import TunedKernel, cdiv, dot_precision, kernel_op
+from .persistent import INTERP_MN, INTERP_WG, check_splits, group_p2, persistent_grid, tma_ok
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_CARRIERS = (torch.float16, torch.float32)  # interpreter stand-ins for FP8 bytes
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .persistent import (group_rows, mainloop, mn_config, operand_descs, split_cols, tile_coords, tile_space,
+                             wgrad_config, wgrad_store, wgrad_tile)
+
+    @triton.jit
+    def _fp8_ggemm_kernel(
+        a_ptr,  # [M, K] FP8, K contiguous
+        b_ptr,  # [G, N, K] FP8, K contiguous
+        c_ptr,  # [M, N] output
+        sa_ptr, sb_ptr,  # fp32 scale_inv of a and b (one element each)
+        bias_ptr,  # [G, N] or a dummy pointer
+        split_ptr,  # [G] int64
+        M, N, K, G, s_am, s_bg, s_bn, s_cm, s_biasg,
+        HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, PREC: tl.constexpr, G_P2: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+        FLATTEN: tl.constexpr = False, PPS: tl.constexpr = 1,
+    ):
+        """c[rows of g] = (a_g @ b_g.T) * sa * sb (+ bias[g]); persistent over all groups' tiles."""
+        gi, start, m, tiles, tile_end, total, TILES_N = tile_space(split_ptr, G, M, N, G_P2, BM, BN)
+        a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, K, N, G, s_am, s_bg, 1, s_bn, True, USE_TMA, BM, BN, BK)
+        scale = tl.load(sa_ptr).to(tl.float32) * tl.load(sb_ptr).to(tl.float32)
+        for t in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
+            g, row0, rows, rmask, n0, offs_n, nmask = tile_coords(t, gi, start, m, tile_end, tiles, TILES_N, N,
+                                                                  BM, BN, GROUP_M)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            acc = mainloop(acc, a_ptr, a_desc, b_ptr, b_desc, g, row0, rows, rmask, n0, offs_n, nmask,
+                           K, s_am, 1, s_bg, 1, s_bn, True, USE_TMA, PREC, BN, BK)
+            acc = acc * scale
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + g.to(tl.int64) * s_biasg + offs_n, mask=nmask, other=0.0)
+                acc += bias.to(tl.float32)[None, :]
+            c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * s_cm + offs_n[None, :]
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _fp8_ggemm_wgrad_kernel(
+        at_ptr,  # [N, M] FP8 (the output gradient's column-wise copy), M contiguous
+        bt_ptr,  # [K, M] FP8 (the input's column-wise copy), M contiguous
+        out_ptr,  # [G, N, K] (strided): fp32 main_grad or the weight's dtype
+        sa_ptr, sb_ptr, split_ptr,
+        M, N, K, G, s_at, s_bt, s_og, s_on, s_ok,
+        ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, PREC: tl.constexpr, G_P2: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
+    ):
+        """out[g] (+)= (a_t[:, rows of g] @ b_t[:, rows of g].T) * sa * sb; one [BN, BK] tile per
+        program, grid G * tiles_n * tiles_k."""
+        g, n0, k0 = wgrad_tile(tl.program_id(0), N, K, BN, BK, GROUP_N)
+        r0, mg = group_rows(split_ptr, g, G, M, G_P2)
+        offs_n = n0 + tl.arange(0, BN)
+        offs_k = k0 + tl.arange(0, BK)
+        nmask = offs_n < N
+        kmask = offs_k < K
+        acc = tl.zeros((BN, BK), dtype=tl.float32)
+        if USE_TMA:
+            # column extent ends at the group's end: TMA zero-fills the next group's columns
+            cols_end = tl.maximum(r0 + mg, 1)
+            a_desc = tl.make_tensor_descriptor(at_ptr, shape=[N, cols_end], strides=[s_at, 1], block_shape=[BN, BR])
+            b_desc = tl.make_tensor_descriptor(bt_ptr, shape=[K, cols_end], strides=[s_bt, 1], block_shape=[BK, BR])
+            for r in range(0, mg, BR):
+                acc = tl.dot(a_desc.load([n0, r0 + r]), tl.trans(b_desc.load([k0, r0 + r])), acc, input_precision=PREC)
+        else:
+            a_base = at_ptr + offs_n.to(tl.int64)[:, None] * s_at
+            b_base = bt_ptr + offs_k.to(tl.int64)[:, None] * s_bt
+            for r in range(0, mg, BR):
+                lr = r + tl.arange(0, BR)
+                cols = (r0 + lr).to(tl.int64)[None, :]
+                rmask = (lr < mg)[None, :]
+                a = tl.load(a_base + cols, mask=nmask[:, None] & rmask, other=0.0)
+                b = tl.load(b_base + cols, mask=kmask[:, None] & rmask, other=0.0)
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+        acc = acc * (tl.load(sa_ptr).to(tl.float32) * tl.load(sb_ptr).to(tl.float32))
+        o_base = out_ptr + g.to(tl.int64) * s_og
+        if ACCUMULATE and BK >= 128:  # read-modify-write in two column halves (register pressure)
+            acc0, acc1 = split_cols(acc, BN, BK)
+            wgrad_store(acc0, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
+            wgrad_store(acc1, o_base, offs_n, nmask, k0 + BK // 2, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
+        else:
+            wgrad_store(acc, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK)
+
+    # Hopper FP8 tiles: BK = 128 (one 128-byte swizzle row per operand row).
+    _MM_CONFIGS = [mn_config(128, 256, 128, 8, 3), mn_config(128, 256, 128, 8, 4),
+                   mn_config(128, 256, 128, 8, 3, flat=True), mn_config(128, 128, 128, 8, 4),
+                   mn_config(128, 128, 128, 4, 4, pps=2), mn_config(64, 128, 128, 4, 4, pps=2)]
+    _WG_CONFIGS = [wgrad_config(128, 256, 128, 8, 3), wgrad_config(128, 256, 64, 8, 4),
+                   wgrad_config(128, 128, 128, 8, 4), wgrad_config(128, 128, 128, 4, 4),
+                   wgrad_config(128, 128, 64, 4, 4), wgrad_config(64, 64, 64, 4, 3)]
+    MM_KERNEL = TunedKernel(_fp8_ggemm_kernel, _MM_CONFIGS, ["N", "K", "USE_TMA", "HAS_BIAS"],
+                            (_MM_CONFIGS[0], _MM_CONFIGS[5]), INTERP_MN)
+    WGRAD_KERNEL = TunedKernel(_fp8_ggemm_wgrad_kernel, _WG_CONFIGS, ["N", "K", "USE_TMA", "ACCUMULATE"],
+                               (_WG_CONFIGS[0], _WG_CONFIGS[5]), INTERP_WG, restore_value=["out_ptr"])
+
+
+# ----------------------------------------------------------------------------- launchers
+def _launch_mm(a, sa, b, sb, bias, split, out_dtype):
+    M, K = a.shape
+    G, N = b.shape[0], b.shape[1]
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return c
+    has_bias = bias is not None
+    args = (a, b, c, sa, sb, bias if has_bias else c, split, M, N, K, G, a.stride(0), b.stride(0), b.stride(1),
+            c.stride(0), bias.stride(0) if has_bias else 0)
+    const = dict(HAS_BIAS=has_bias, USE_TMA=K > 0 and tma_ok(a, b), PREC=dot_precision(a.dtype), G_P2=group_p2(G))
+    MM_KERNEL.launch(persistent_grid(M, G, N, a.device), args, const, a.dtype, a.device)
+    return c
+
+
+def _launch_wgrad(at, sa, bt, sb, split, out, accumulate):
+    N, M = at.shape
+    K, G = bt.shape[0], out.shape[0]
+    if G == 0 or N == 0 or K == 0:
+        return out
+    args = (at, bt, out, sa, sb, split, M, N, K, G, at.stride(0), bt.stride(0), out.stride(0), out.stride(1),
+            out.stride(2))
+    const = dict(ACCUMULATE=accumulate, USE_TMA=M > 0 and tma_ok(at, bt), PREC=dot_precision(at.dtype),
+                 G_P2=group_p2(G))
+    WGRAD_KERNEL.launch(lambda meta: (G * cdiv(N, meta["BN"]) * cdiv(K, meta["BK"]),), args, const, at.dtype,
+                        at.device)
+    return out
+
+
+@kernel_op("fusible_ops::fp8_grouped_mm", mutates_args=())
+def _fp8_grouped_mm_op(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                       bias: Optional[torch.Tensor], split_sizes: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return _launch_mm(a, sa, b, sb, bias, split_sizes, out_dtype)
+
+
+@_fp8_grouped_mm_op.register_fake
+def _(a, sa, b, sb, bias, split_sizes, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@kernel_op("fusible_ops::fp8_grouped_wgrad_out", mutates_args=("out",))
+def _fp8_grouped_wgrad_op(at: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor,
+                          split_sizes: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    _launch_wgrad(at, sa, bt, sb, split_sizes, out, accumulate)
+
+
+@_fp8_grouped_wgrad_op.register_fake
+def _(at, sa, bt, sb, split_sizes, out, accumulate):
+    return None
+
+
+# ----------------------------------------------------------------------------- refs
+def _deq(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    return data.float() * scale_inv.float().reshape(())
+
+
+def fp8_grouped_mm_ref(a, b, split_sizes: torch.Tensor, out_dtype: torch.dtype,
+                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Pure-torch twin of :func:`fp8_grouped_mm`: fp32 math on the dequantized operands."""
+    y = grouped_gemm_fwd_ref(_deq(*a), _deq(*b), split_sizes, None if bias is None else bias.float())
+    return y.to(out_dtype)
+
+
+def fp8_grouped_wgrad_ref(a_t, b_t, split_sizes: torch.Tensor, out: Optional[torch.Tensor] = None,
+                          accumulate: bool = False, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Pure-torch twin of :func:`fp8_grouped_wgrad`."""
+    r = grouped_gemm_wgrad_ref(_deq(*a_t).t(), _deq(*b_t).t(), split_sizes)
+    if out is None:
+        return r.to(out_dtype)
+    out.copy_(r + out.float() if accumulate else r)
+    return out
+
+
+# ----------------------------------------------------------------------------- public API
+def _triton_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Triton on CUDA for FP8 operands (sm89+), under the interpreter for fp16/fp32 stand-ins."""
+    if not (HAS_TRITON and use_triton(a, b)):
+        return False
+    if a.is_cuda:
+        if not fp8_capable(a.device):
+            raise RuntimeError("FP8 grouped GEMM needs a GPU with FP8 tensor cores (compute capability 8.9+: Ada, "
+                               "Hopper)")
+        return a.dtype in FP8_DTYPES and b.dtype in FP8_DTYPES
+    return a.dtype == b.dtype and a.dtype in _CARRIERS
+
+
+def _check(name, split_sizes, G, *pairs):
+    for data, inv in pairs:
+        if data.dim() < 2 or data.stride(-1) != 1:
+            raise ValueError(f"{name}: operands must have a contiguous last dim, got strides {tuple(data.stride())}")
+        if inv.numel() != 1:
+            raise ValueError(f"{name}: per-tensor scaling only (one scale_inv per operand), got {inv.numel()} scales")
+    check_splits(split_sizes, G, *(d for d, _ in pairs))
+
+
+def fp8_grouped_mm(a, b, split_sizes: torch.Tensor, out_dtype: torch.dtype,
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``c[rows of g] = a_g @ b[g].T * sa * sb (+ bias[g])``, one launch, no host sync.
+
+    ``a`` = (data [M, K], scale_inv), ``b`` = (data [G, N, K], scale_inv): FP8 with a contiguous
+    K and one fp32 scale_inv each; ``bias`` [G, N] or None; ``split_sizes`` [G] int64 on the
+    operands' device. Returns [M, N] in ``out_dtype`` (fp32 accumulate)."""
+    (ad, sa), (bd, sb) = a, b
+    _check("fp8_grouped_mm", split_sizes, bd.shape[0], a, b)
+    if ad.shape[1] != bd.shape[2]:
+        raise ValueError(f"fp8_grouped_mm: a is {tuple(ad.shape)} but b is {tuple(bd.shape)} (K must agree)")
+    if not _triton_ok(ad, bd):
+        return fp8_grouped_mm_ref(a, b, split_sizes, out_dtype, bias)
+    bias = bias.contiguous() if bias is not None else None
+    return _fp8_grouped_mm_op(ad, sa.reshape(1).float(), bd, sb.reshape(1).float(), bias, split_sizes, out_dtype)
+
+
+def fp8_grouped_wgrad(a_t, b_t, split_sizes: torch.Tensor, out: Optional[torch.Tensor] = None,
+                      accumulate: bool = False, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``out[g] (+)= a_t[:, rows of g] @ b_t[:, rows of g].T * sa * sb``, one launch, no host sync.
+
+    ``a_t`` = (data [N, M], scale_inv), ``b_t`` = (data [K, M], scale_inv): the column-wise FP8
+    copies of the output gradient and the input. ``out`` [G, N, K] (e.g. fp32 ``main_grad``) is
+    written, or added into with ``accumulate``; None: a new [G, N, K] tensor in ``out_dtype``.
+    Groups with no rows give zeros (or leave ``out[g]`` untouched when accumulating)."""
+    (ad, sa), (bd, sb) = a_t, b_t
+    G = split_sizes.shape[0]
+    _check("fp8_grouped_wgrad", split_sizes, G, a_t, b_t)
+    if ad.shape[1] != bd.shape[1]:
+        raise ValueError(f"fp8_grouped_wgrad: a_t is {tuple(ad.shape)} but b_t is {tuple(bd.shape)} (M must agree)")
+    if out is None:
+        out = torch.empty((G, ad.shape[0], bd.shape[0]), dtype=out_dtype, device=ad.device)
+        accumulate = False
+    if not _triton_ok(ad, bd):
+        return fp8_grouped_wgrad_ref(a_t, b_t, split_sizes, out, accumulate)
+    _fp8_grouped_wgrad_op(ad, sa.reshape(1).float(), bd, sb.reshape(1).float(), split_sizes, out, accumulate)
+    return out
+
+
+__all__ = ["FP8_DTYPES", "fp8_grouped_mm", "fp8_grouped_mm_ref", "fp8_grouped_wgrad", "fp8_grouped_wgrad_ref"]

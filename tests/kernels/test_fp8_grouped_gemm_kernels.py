@@ -1,0 +1,169 @@
+"""FP8 grouped GEMMs (fusible_ops.kernels.fp8_grouped_gemm) against float64 math on the
+dequantized operands.
+
+CPU: the Triton kernels under the interpreter with fp16/fp32 stand-ins holding FP8 values (FP8
+dot is not emulated there), and the ``*_ref`` on real FP8 tensors. GPU (marked ``gpu``): real
+e4m3 / e5m2 operands, odd sizes, empty groups, bias, main_grad accumulation, the TMA and the
+pointer paths, and CUDA-graph replay with changed split sizes.
+"""
+
+import pytest
+import torch
+
+import fusible_ops.kernels as K
+from fusible_ops.kernels import fp8_grouped_gemm as F
+from fusible_ops.kernels import launch
+from fusible_ops.testing import assert_close_norm
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@pytest.fixture(autouse=True)
+def _fixed_configs(monkeypatch):
+    monkeypatch.setattr(launch, "AUTOTUNE", False)
+
+
+def _gid(split):
+    return torch.repeat_interleave(torch.arange(split.numel()), split.cpu())
+
+
+def _fp8(shape, dtype, g, scale=1.0):
+    """Random FP8 bytes and a scale_inv: values ~ N(0, 1) * scale."""
+    x = torch.randn(*shape, generator=g) * 8.0
+    return x.to(dtype), torch.tensor(scale / 8.0)
+
+
+def _deq64(pair):
+    data, inv = pair
+    return data.double().cpu() * inv.double().cpu()
+
+
+def _case(M, N, K, splits, a_dtype=E4M3, b_dtype=E4M3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    split = torch.tensor(splits, dtype=torch.int64)
+    assert int(split.sum()) == M
+    a = _fp8((M, K), a_dtype, g)
+    b = _fp8((len(splits), N, K), b_dtype, g, scale=K ** -0.5)
+    bias = torch.randn(len(splits), N, generator=g)
+    return a, b, bias, split
+
+
+def mm64(a, b, split, bias=None):
+    gid = _gid(split)
+    y = torch.einsum("mk,mnk->mn", _deq64(a), _deq64(b)[gid])
+    return y if bias is None else y + bias.double().cpu()[gid]
+
+
+def wgrad64(a_t, b_t, split):
+    gid = _gid(split)
+    outer = _deq64(a_t).t()[:, :, None] * _deq64(b_t).t()[:, None, :]
+    return torch.zeros(split.numel(), a_t[0].shape[0], b_t[0].shape[0], dtype=torch.float64).index_add_(0, gid, outer)
+
+
+def _on(pair, device, dtype=None):
+    data, inv = pair
+    return (data.to(device) if dtype is None else data.to(dtype).to(device)), inv.to(device)
+
+
+def _spy(monkeypatch) -> list:
+    calls = []
+    for name, tag in (("_launch_mm", "mm"), ("_launch_wgrad", "wgrad")):
+        real = getattr(F, name)
+        monkeypatch.setattr(F, name, lambda *a, _r=real, _t=tag: (calls.append(_t), _r(*a))[1])
+    return calls
+
+
+SPLITS = [[5, 0, 17, 10], [0, 0, 32, 0], [1, 30, 1, 0]]
+
+
+@pytest.mark.parametrize("carrier", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", SPLITS)
+def test_interpreter_mm_and_wgrad_with_fp8_values(carrier, splits, monkeypatch):
+    """The kernels (interpreter, fp16/fp32 carriers of the FP8 values) vs float64 math."""
+    M, N, Kd = sum(splits), 24, 40
+    a, b, bias, split = _case(M, N, Kd, splits)
+    spy = _spy(monkeypatch)
+    with K.use("triton"):
+        y = F.fp8_grouped_mm(_on(a, "cpu", carrier), _on(b, "cpu", carrier), split, torch.float32, bias=bias)
+    assert_close_norm(y, mm64(a, b, split, bias), torch.float32)
+    dy_t = _fp8((N, M), E5M2, torch.Generator().manual_seed(3))
+    x_t = (a[0].t().contiguous(), a[1])
+    main = torch.randn(len(splits), N, Kd)
+    before = main.clone()
+    with K.use("triton"):
+        F.fp8_grouped_wgrad(_on(dy_t, "cpu", carrier), _on(x_t, "cpu", carrier), split, out=main, accumulate=True)
+        fresh = F.fp8_grouped_wgrad(_on(dy_t, "cpu", carrier), _on(x_t, "cpu", carrier), split)
+    assert spy == ["mm", "wgrad", "wgrad"]  # the kernels ran, not the refs
+    assert_close_norm(main, before.double() + wgrad64(dy_t, x_t, split), torch.float32)
+    empty = [g for g, s in enumerate(splits) if s == 0]
+    assert torch.equal(main[empty], before[empty])  # empty groups untouched
+    assert fresh.dtype == torch.float32 and torch.equal(fresh[empty], torch.zeros_like(fresh[empty]))
+
+
+def test_ref_on_real_fp8_matches_float64():
+    a, b, bias, split = _case(48, 24, 32, [16, 0, 32], a_dtype=E5M2)
+    assert_close_norm(F.fp8_grouped_mm(a, b, split, torch.float32, bias=bias), mm64(a, b, split, bias), torch.float32)
+    out = F.fp8_grouped_mm(a, b, split, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert_close_norm(out, mm64(a, b, split), torch.bfloat16)
+
+
+def test_bad_inputs_raise():
+    a, b, _, split = _case(16, 8, 32, [8, 8])
+    with pytest.raises(ValueError, match="K must agree"):
+        F.fp8_grouped_mm(a, (b[0][:, :, :16], b[1]), split, torch.float32)
+    with pytest.raises(ValueError, match="per-tensor scaling only"):
+        F.fp8_grouped_mm(a, (b[0], torch.ones(2)), split, torch.float32)
+
+
+# ---------------------------------------------------------------- GPU
+gpu = pytest.mark.gpu
+
+
+def _skip_without_fp8():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from fusible_ops.kernels.fp8_gemm import fp8_capable
+    if not fp8_capable(torch.device("cuda")):
+        pytest.skip("needs FP8 tensor cores")
+
+
+@gpu
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "ptr"])
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)], ids=["e4m3", "e5m2xe4m3"])
+@pytest.mark.parametrize("splits", [[100, 0, 333, 7, 200], [0, 640, 0, 0, 0], [1, 1, 1, 1, 636]])
+def test_gpu_mm_and_wgrad(tma, dtypes, splits, monkeypatch):
+    _skip_without_fp8()
+    if not tma:
+        monkeypatch.setenv("FUSIBLE_OPS_GGEMM_TMA", "0")
+    M, N, K = sum(splits), 272, 384
+    a, b, bias, split = _case(M, N, K, splits, *dtypes)
+    d = "cuda"
+    y = F.fp8_grouped_mm(_on(a, d), _on(b, d), split.to(d), torch.bfloat16, bias=bias.to(d, torch.bfloat16))
+    assert_close_norm(y, mm64(a, b, split, bias.to(torch.bfloat16)), torch.bfloat16)
+    dy_t = _fp8((N, M), dtypes[0], torch.Generator().manual_seed(3))
+    x_t = (a[0].t().contiguous(), a[1])
+    main = torch.randn(len(splits), N, K, device=d)
+    before = main.clone()
+    F.fp8_grouped_wgrad(_on(dy_t, d), _on(x_t, d), split.to(d), out=main, accumulate=True)
+    assert_close_norm(main, before.double().cpu() + wgrad64(dy_t, x_t, split), torch.float32)
+    empty = [g for g, s in enumerate(splits) if s == 0]
+    assert torch.equal(main[empty], before[empty])
+
+
+@gpu
+def test_gpu_graph_replay_with_changed_splits():
+    _skip_without_fp8()
+    d = "cuda"
+    M, N, K = 512, 256, 256
+    a, b, _, split = _case(M, N, K, [128, 256, 0, 128])
+    a_d, b_d, s_d = _on(a, d), _on(b, d), split.to(d)
+    F.fp8_grouped_mm(a_d, b_d, s_d, torch.bfloat16)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = F.fp8_grouped_mm(a_d, b_d, s_d, torch.bfloat16)
+    for splits in ([500, 0, 12, 0], [0, 0, 0, 512], [3, 300, 200, 9]):
+        s_d.copy_(torch.tensor(splits))
+        g.replay()
+        torch.cuda.synchronize()
+        assert_close_norm(y, mm64(a, b, torch.tensor(splits)), torch.bfloat16)
