@@ -74,6 +74,21 @@ if HAS_TRITON:
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
     @triton.jit
+    def _wgrad_ptr_loop(acc, at_ptr, bt_ptr, r0, mg, offs_n, offs_k, nmask, kmask, s_at, s_bt,
+                        PREC: tl.constexpr, BR: tl.constexpr):
+        """acc += a_t[n tile, rows of g] @ b_t[k tile, rows of g].T through masked pointer loads."""
+        a_base = at_ptr + offs_n.to(tl.int64)[:, None] * s_at
+        b_base = bt_ptr + offs_k.to(tl.int64)[:, None] * s_bt
+        for r in range(0, mg, BR):
+            lr = r + tl.arange(0, BR)
+            cols = (r0 + lr).to(tl.int64)[None, :]
+            rmask = (lr < mg)[None, :]
+            a = tl.load(a_base + cols, mask=nmask[:, None] & rmask, other=0.0)
+            b = tl.load(b_base + cols, mask=kmask[:, None] & rmask, other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+        return acc
+
+    @triton.jit
     def _fp8_ggemm_wgrad_kernel(
         at_ptr,  # [N, M] FP8 (the output gradient's column-wise copy), M contiguous
         bt_ptr,  # [K, M] FP8 (the input's column-wise copy), M contiguous
@@ -92,23 +107,23 @@ if HAS_TRITON:
         nmask = offs_n < N
         kmask = offs_k < K
         acc = tl.zeros((BN, BK), dtype=tl.float32)
+        # TMA only for groups whose column range starts and ends on 16-byte boundaries (an
+        # unaligned start faulted on the H200); other groups take the pointer loads.
         if USE_TMA:
-            # column extent ends at the group's end: TMA zero-fills the next group's columns
-            cols_end = tl.maximum(r0 + mg, 1)
-            a_desc = tl.make_tensor_descriptor(at_ptr, shape=[N, cols_end], strides=[s_at, 1], block_shape=[BN, BR])
-            b_desc = tl.make_tensor_descriptor(bt_ptr, shape=[K, cols_end], strides=[s_bt, 1], block_shape=[BK, BR])
-            for r in range(0, mg, BR):
-                acc = tl.dot(a_desc.load([n0, r0 + r]), tl.trans(b_desc.load([k0, r0 + r])), acc, input_precision=PREC)
+            if (r0 % 16 == 0) & (mg % 16 == 0):
+                # column extent ends at the group's end: TMA zero-fills the next group's columns
+                cols_end = tl.maximum(r0 + mg, 16)
+                a_desc = tl.make_tensor_descriptor(at_ptr, shape=[N, cols_end], strides=[s_at, 1],
+                                                   block_shape=[BN, BR])
+                b_desc = tl.make_tensor_descriptor(bt_ptr, shape=[K, cols_end], strides=[s_bt, 1],
+                                                   block_shape=[BK, BR])
+                for r in range(0, mg, BR):
+                    acc = tl.dot(a_desc.load([n0, r0 + r]), tl.trans(b_desc.load([k0, r0 + r])), acc,
+                                 input_precision=PREC)
+            else:
+                acc = _wgrad_ptr_loop(acc, at_ptr, bt_ptr, r0, mg, offs_n, offs_k, nmask, kmask, s_at, s_bt, PREC, BR)
         else:
-            a_base = at_ptr + offs_n.to(tl.int64)[:, None] * s_at
-            b_base = bt_ptr + offs_k.to(tl.int64)[:, None] * s_bt
-            for r in range(0, mg, BR):
-                lr = r + tl.arange(0, BR)
-                cols = (r0 + lr).to(tl.int64)[None, :]
-                rmask = (lr < mg)[None, :]
-                a = tl.load(a_base + cols, mask=nmask[:, None] & rmask, other=0.0)
-                b = tl.load(b_base + cols, mask=kmask[:, None] & rmask, other=0.0)
-                acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+            acc = _wgrad_ptr_loop(acc, at_ptr, bt_ptr, r0, mg, offs_n, offs_k, nmask, kmask, s_at, s_bt, PREC, BR)
         acc = acc * (tl.load(sa_ptr).to(tl.float32) * tl.load(sb_ptr).to(tl.float32))
         o_base = out_ptr + g.to(tl.int64) * s_og
         if ACCUMULATE and BK >= 128:  # read-modify-write in two column halves (register pressure)
