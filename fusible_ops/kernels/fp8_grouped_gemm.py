@@ -220,7 +220,7 @@ def fp8_grouped_wgrad_ref(a_t, b_t, split_sizes: torch.Tensor, out: Optional[tor
 
 
 # ----------------------------------------------------------------------------- public API
-def _triton_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+def fp8_triton_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Triton on CUDA for FP8 operands (sm89+), under the interpreter for fp16/fp32 stand-ins."""
     if not (HAS_TRITON and use_triton(a, b)):
         return False
@@ -252,7 +252,7 @@ def fp8_grouped_mm(a, b, split_sizes: torch.Tensor, out_dtype: torch.dtype,
     _check("fp8_grouped_mm", split_sizes, bd.shape[0], a, b)
     if ad.shape[1] != bd.shape[2]:
         raise ValueError(f"fp8_grouped_mm: a is {tuple(ad.shape)} but b is {tuple(bd.shape)} (K must agree)")
-    if not _triton_ok(ad, bd):
+    if not fp8_triton_ok(ad, bd):
         return fp8_grouped_mm_ref(a, b, split_sizes, out_dtype, bias)
     bias = bias.contiguous() if bias is not None else None
     return _fp8_grouped_mm_op(ad, sa.reshape(1).float(), bd, sb.reshape(1).float(), bias, split_sizes, out_dtype)
@@ -274,10 +274,10 @@ def fp8_grouped_wgrad(a_t, b_t, split_sizes: torch.Tensor, out: Optional[torch.T
     if out is None:
         out = torch.empty((G, ad.shape[0], bd.shape[0]), dtype=out_dtype, device=ad.device)
         accumulate = False
-    if not _triton_ok(ad, bd):
+    if not fp8_triton_ok(ad, bd):
         return fp8_grouped_wgrad_ref(a_t, b_t, split_sizes, out, accumulate)
     _fp8_grouped_wgrad_op(ad, sa.reshape(1).float(), bd, sb.reshape(1).float(), split_sizes, out, accumulate)
     return out
 
 
-__all__ = ["FP8_DTYPES", "fp8_grouped_mm", "fp8_grouped_mm_ref", "fp8_grouped_wgrad", "fp8_grouped_wgrad_ref"]
+__all__ = ["FP8_DTYPES", "fp8_triton_ok", "fp8_grouped_mm", "fp8_grouped_mm_ref", "fp8_grouped_wgrad", "fp8_grouped_wgrad_ref"]

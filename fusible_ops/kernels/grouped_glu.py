@@ -29,6 +29,7 @@ import torch
 
 from . import HAS_TRITON, interpreter_enabled, use_triton
 from .act_table import ACT_IDS, GLU_BASE, act_and_grad_ref, dact_ref
+from .fp8_grouped_gemm import fp8_triton_ok
 from .grouped_gemm import grouped_dgrad_acc_ref, grouped_gemm_fwd_ref
 from .launch import TRITON_DTYPES, TunedKernel, cdiv, compute_dtype, dot_precision, kernel_op
 from .persistent import INTERP_MN, check_splits, group_p2, persistent_grid, same_dtype, tma_ok
@@ -52,14 +53,18 @@ if HAS_TRITON:
         bias_ptr,  # [G, 2F] or dummy
         scale_ptr,  # [M] or dummy
         split_ptr,  # [G] int64
+        sx_ptr, sw_ptr, amax_ptr,  # FP8: fp32 scale_inv of x and w1, fp32 [1] raised to max|y| (or dummies)
         M, F, K, G,
         s_xm, s_xk, s_wg, s_wn, s_wk, s_hm, s_hn, s_ym, s_yn, s_bg, s_bn, s_s,
         HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACT: tl.constexpr, USE_TMA: tl.constexpr,
         PREC: tl.constexpr, G_P2: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
         PPS: tl.constexpr = 1,  # programs per SM (read by the grid)
+        FP8: tl.constexpr = False,  # x, w1 are FP8 with per-tensor scales; the amax of y is taken
     ):
         """h = x_g @ w1[g].T (+ b1[g]); y = act(h_a) * h_b (* scale); persistent over all tiles."""
+        if FP8:
+            deq = tl.load(sx_ptr).to(tl.float32) * tl.load(sw_ptr).to(tl.float32)
         gi, start, m, tiles, tile_end, total, TILES_N = tile_space(split_ptr, G, M, F, G_P2, BM, BN)
         if USE_TMA:
             x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[s_xm, 1], block_shape=[BM, BK])
@@ -92,6 +97,9 @@ if HAS_TRITON:
                     wb = tl.load(wp + tl.cast(F, tl.int64) * s_wn, mask=wmask, other=0.0)
                     acc_a = tl.dot(a, wa, acc_a, input_precision=PREC)
                     acc_b = tl.dot(a, wb, acc_b, input_precision=PREC)
+            if FP8:
+                acc_a = acc_a * deq
+                acc_b = acc_b * deq
             if HAS_BIAS:
                 bp = bias_ptr + g.to(tl.int64) * s_bg + offs_n.to(tl.int64) * s_bn
                 acc_a += tl.load(bp, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -106,13 +114,17 @@ if HAS_TRITON:
             y = act * hb.to(tl.float32)
             if HAS_SCALE:
                 y = y * tl.load(scale_ptr + rows * s_s, mask=rmask, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + rows[:, None] * s_ym + offs_n[None, :] * s_yn, y.to(y_ptr.dtype.element_ty), mask=mask)
+            y = y.to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + rows[:, None] * s_ym + offs_n[None, :] * s_yn, y, mask=mask)
+            if FP8:
+                tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(mask, tl.abs(y.to(tl.float32)), 0.0), 1), 0))
 
     @triton.jit
     def _dglu_epi(acc, rows, rmask, c0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
-                  ACT: tl.constexpr, BC: tl.constexpr):
-        """dGLU on one [BM, BC] column sub-tile at columns c0..: stores dh (both halves) and y,
-        returns the row partials of sum_j g * glu (unscaled)."""
+                  ACT: tl.constexpr, BC: tl.constexpr, FP8: tl.constexpr = False):
+        """dGLU on one [BM, BC] column sub-tile at columns c0..: stores dh (both halves) and y (not
+        under ``FP8``: FC2's weight gradient reads the forward's FP8 copy), returns the row partials
+        of sum_j g * glu (unscaled) and max|dh| of the sub-tile."""
         offs = c0 + tl.arange(0, BC)
         mask = rmask[:, None] & (offs < F)[None, :]
         hp = h_ptr + rows[:, None] * s_hm + offs.to(tl.int64)[None, :] * s_hn
@@ -123,26 +135,36 @@ if HAS_TRITON:
         ds = tl.sum(tl.where(mask, acc * glu, 0.0), 1)
         gs = acc * s
         dhp = dh_ptr + rows[:, None] * s_dhm + offs[None, :] * s_dhn  # dh, y: ours, contiguous
-        tl.store(dhp, dact(gs * b, a, dact_a, ACT).to(dh_ptr.dtype.element_ty), mask=mask)
-        tl.store(dhp + F * s_dhn, (gs * act).to(dh_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_ptr + rows[:, None] * s_ym + offs[None, :] * s_yn, (glu * s).to(y_ptr.dtype.element_ty), mask=mask)
-        return ds
+        da = dact(gs * b, a, dact_a, ACT).to(dh_ptr.dtype.element_ty)
+        db = (gs * act).to(dh_ptr.dtype.element_ty)
+        tl.store(dhp, da, mask=mask)
+        tl.store(dhp + F * s_dhn, db, mask=mask)
+        if FP8:
+            am = tl.max(tl.max(tl.where(mask, tl.maximum(tl.abs(da.to(tl.float32)), tl.abs(db.to(tl.float32))), 0.0),
+                               1), 0)
+        else:
+            tl.store(y_ptr + rows[:, None] * s_ym + offs[None, :] * s_yn, (glu * s).to(y_ptr.dtype.element_ty),
+                     mask=mask)
+            am = 0.0
+        return ds, am
 
     @triton.jit
     def _dglu_epi_halves(acc, rows, rmask, c0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
-                         ACT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+                         ACT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, FP8: tl.constexpr = False):
         """:func:`_dglu_epi` on a [BM, BC] tile, in two column halves when BC >= 128 (bounds the
         epilogue's register pressure: sub-tiles of <= 64 columns)."""
         if BC >= 128:
             a0, a1 = split_cols(acc, BM, BC)
-            ds = _dglu_epi(a0, rows, rmask, c0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
-                           ACT, BC // 2)
-            ds += _dglu_epi(a1, rows, rmask, c0 + BC // 2, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn,
-                            s_ym, s_yn, ACT, BC // 2)
+            ds, am = _dglu_epi(a0, rows, rmask, c0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
+                               ACT, BC // 2, FP8)
+            ds1, am1 = _dglu_epi(a1, rows, rmask, c0 + BC // 2, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn,
+                                 s_ym, s_yn, ACT, BC // 2, FP8)
+            ds += ds1
+            am = tl.maximum(am, am1)
         else:
-            ds = _dglu_epi(acc, rows, rmask, c0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
-                           ACT, BC)
-        return ds
+            ds, am = _dglu_epi(acc, rows, rmask, c0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym, s_yn,
+                               ACT, BC, FP8)
+        return ds, am
 
     @triton.jit
     def _dglu_kernel(
@@ -154,22 +176,29 @@ if HAS_TRITON:
         y_ptr,  # [M, F] out, h's dtype
         part_ptr,  # [P, M] fp32 partial dscales (every slot written), P = cdiv(F, BN_MIN); or dummy
         split_ptr,  # [G] int64
+        sdy_ptr, sw_ptr, amax_ptr,  # FP8: fp32 scale_inv of dy and w2, fp32 [1] raised to max|dh| (or dummies)
         M, F, H, G,
         s_dym, s_dyh, s_wg, s_wh, s_wf, s_hm, s_hn, s_s, s_dhm, s_dhn, s_ym, s_yn,
         HAS_SCALE: tl.constexpr, NEED_DS: tl.constexpr, ACT: tl.constexpr, USE_TMA: tl.constexpr,
         PREC: tl.constexpr, G_P2: tl.constexpr, BN_MIN: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
         FLATTEN: tl.constexpr = False, PPS: tl.constexpr = 1,  # PPS: programs per SM (read by the grid)
+        FP8: tl.constexpr = False,  # dy and w2 FP8 (w_ptr: w2's per-group transpose [G, F, H], K-major)
     ):
-        """g = dy_g @ w2[g] (registers only); dh = dGLU(h; g * scale); y = glu(h) * scale."""
+        """g = dy_g @ w2[g] (registers only); dh = dGLU(h; g * scale); y = glu(h) * scale (not
+        under FP8, where the amax of dh is taken instead)."""
         gi, start, m, tiles, tile_end, total, TILES_N = tile_space(split_ptr, G, M, F, G_P2, BM, BN)
-        a_desc, b_desc = operand_descs(dy_ptr, w_ptr, M, H, F, G, s_dym, s_wg, s_wh, s_wf, False, USE_TMA, BM, BN, BK)
+        a_desc, b_desc = operand_descs(dy_ptr, w_ptr, M, H, F, G, s_dym, s_wg, s_wh, s_wf, FP8, USE_TMA, BM, BN, BK)
+        if FP8:
+            deq = tl.load(sdy_ptr).to(tl.float32) * tl.load(sw_ptr).to(tl.float32)
         for t in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
             g, row0, rows, rmask, n0, offs_n, nmask = tile_coords(t, gi, start, m, tile_end, tiles, TILES_N, F,
                                                                   BM, BN, GROUP_M)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             acc = mainloop(acc, dy_ptr, a_desc, w_ptr, b_desc, g, row0, rows, rmask, n0, offs_n, nmask,
-                            H, s_dym, s_dyh, s_wg, s_wh, s_wf, False, USE_TMA, PREC, BN, BK)
+                            H, s_dym, s_dyh, s_wg, s_wh, s_wf, FP8, USE_TMA, PREC, BN, BK)
+            if FP8:
+                acc = acc * deq
             rows = rows.to(tl.int64)
             if HAS_SCALE:
                 s = tl.load(scale_ptr + rows * s_s, mask=rmask, other=0.0).to(tl.float32)[:, None]
@@ -178,13 +207,17 @@ if HAS_TRITON:
             # epilogue in column sub-tiles of <= 64 columns (register pressure)
             if BN >= 256:
                 a0, a1 = split_cols(acc, BM, BN)
-                ds = _dglu_epi_halves(a0, rows, rmask, n0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym,
-                                      s_yn, ACT, BM, BN // 2)
-                ds += _dglu_epi_halves(a1, rows, rmask, n0 + BN // 2, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm,
-                                       s_dhn, s_ym, s_yn, ACT, BM, BN // 2)
+                ds, am = _dglu_epi_halves(a0, rows, rmask, n0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn,
+                                          s_ym, s_yn, ACT, BM, BN // 2, FP8)
+                ds1, am1 = _dglu_epi_halves(a1, rows, rmask, n0 + BN // 2, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn,
+                                            s_dhm, s_dhn, s_ym, s_yn, ACT, BM, BN // 2, FP8)
+                ds += ds1
+                am = tl.maximum(am, am1)
             else:
-                ds = _dglu_epi_halves(acc, rows, rmask, n0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn, s_ym,
-                                      s_yn, ACT, BM, BN)
+                ds, am = _dglu_epi_halves(acc, rows, rmask, n0, F, s, h_ptr, dh_ptr, y_ptr, s_hm, s_hn, s_dhm, s_dhn,
+                                          s_ym, s_yn, ACT, BM, BN, FP8)
+            if FP8:
+                tl.atomic_max(amax_ptr, am)
             if NEED_DS:
                 # this tile owns slots [slot0, slot0 + BN/BN_MIN): its sum in the first, zeros in the
                 # rest, so the buffer needs no memset and any autotuned BN gives the same sum.
@@ -225,26 +258,34 @@ def _interp(t: torch.Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------- custom ops
-@kernel_op("fusible_ops::grouped_glu_fwd", mutates_args=())
-def _grouped_glu_fwd_op(x: torch.Tensor, w1: torch.Tensor, split_sizes: torch.Tensor, bias1: Optional[torch.Tensor],
-                        kind: str, scales: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _glu_fwd_launch(x, w1, split_sizes, bias1, kind, scales, fp8=None):
+    """Launch _glu_fwd_kernel; ``fp8`` = (scale_inv of x, scale_inv of w1, amax [1], out dtype)
+    for FP8 operands, else None (outputs in x's dtype)."""
     M, K = x.shape
     G, F = w1.shape[0], w1.shape[1] // 2
-    h = torch.empty((M, 2 * F), dtype=x.dtype, device=x.device)
-    y = torch.empty((M, F), dtype=x.dtype, device=x.device)
+    out_dtype = x.dtype if fp8 is None else fp8[3]
+    h = torch.empty((M, 2 * F), dtype=out_dtype, device=x.device)
+    y = torch.empty((M, F), dtype=out_dtype, device=x.device)
     if M == 0 or F == 0:
         return y, h
     use_tma = K > 0 and tma_ok(x, w1)
     dummy = h
+    fp8_args = fp8[:3] if fp8 is not None else (dummy, dummy, dummy)
     args = (x, w1, h, y, bias1 if bias1 is not None else dummy, scales if scales is not None else dummy,
-            split_sizes, M, F, K, G, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
+            split_sizes, *fp8_args, M, F, K, G, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
             h.stride(0), h.stride(1), y.stride(0), y.stride(1),
             bias1.stride(0) if bias1 is not None else 0, bias1.stride(1) if bias1 is not None else 0,
             scales.stride(0) if scales is not None else 0)
     const = dict(HAS_BIAS=bias1 is not None, HAS_SCALE=scales is not None, ACT=_act_id(kind, scales),
-                 USE_TMA=use_tma, PREC=dot_precision(x.dtype), G_P2=group_p2(G))
+                 USE_TMA=use_tma, PREC=dot_precision(x.dtype), G_P2=group_p2(G), FP8=fp8 is not None)
     GLU_FWD_KERNEL.launch(persistent_grid(M, G, F, x.device), args, const, x.dtype, x.device)
     return y, h
+
+
+@kernel_op("fusible_ops::grouped_glu_fwd", mutates_args=())
+def _grouped_glu_fwd_op(x: torch.Tensor, w1: torch.Tensor, split_sizes: torch.Tensor, bias1: Optional[torch.Tensor],
+                        kind: str, scales: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _glu_fwd_launch(x, w1, split_sizes, bias1, kind, scales)
 
 
 @_grouped_glu_fwd_op.register_fake
@@ -253,28 +294,37 @@ def _(x, w1, split_sizes, bias1, kind, scales):
     return x.new_empty((x.shape[0], F)), x.new_empty((x.shape[0], 2 * F))
 
 
-@kernel_op("fusible_ops::grouped_dglu", mutates_args=())
-def _grouped_dglu_op(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Tensor, h: torch.Tensor, kind: str,
-                     scales: Optional[torch.Tensor], need_dscales: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _dglu_launch(dy2, w2, split_sizes, h, kind, scales, need_dscales, fp8=None):
+    """Launch _dglu_kernel; ``fp8`` = (scale_inv of dy2, scale_inv of w2, amax [1]) with dy2 FP8 and
+    w2 its per-group transpose [G, F, H] (FP8), else None. Returns (dh, y, dscales)."""
     M, H = dy2.shape
-    G, F = w2.shape[0], w2.shape[2]
-    dh = torch.empty((M, 2 * F), dtype=dy2.dtype, device=dy2.device)
-    y = torch.empty((M, F), dtype=h.dtype, device=h.device)
+    G, F = w2.shape[0], (w2.shape[1] if fp8 is not None else w2.shape[2])
+    dh = torch.empty((M, 2 * F), dtype=h.dtype if fp8 is not None else dy2.dtype, device=dy2.device)
+    y = torch.empty((M, F if fp8 is None else 0), dtype=h.dtype, device=h.device)
     need_ds = bool(need_dscales)
     bn_min = INTERP_MN["BN"] // 2 if _interp(dy2) else _BN_MIN  # (2 slots per tile in the interpreter)
     parts = torch.empty((cdiv(F, bn_min) if need_ds else 0, M), dtype=torch.float32, device=dy2.device)
     if M == 0 or F == 0:
         return dh, y, parts.sum(0) if need_ds else parts.new_empty(0)
     use_tma = H > 0 and tma_ok(dy2, w2)
-    args = (dy2, w2, h, scales if scales is not None else h, dh, y, parts if need_ds else dh, split_sizes,
-            M, F, H, G, dy2.stride(0), dy2.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+    # strides of w2 as [G, H, F] (s_wg, s_wh, s_wf); under FP8 w2 is [G, F, H]
+    s_wh, s_wf = (w2.stride(2), w2.stride(1)) if fp8 is not None else (w2.stride(1), w2.stride(2))
+    fp8_args = fp8 if fp8 is not None else (dh, dh, dh)
+    args = (dy2, w2, h, scales if scales is not None else h, dh, y if fp8 is None else dh, parts if need_ds else dh,
+            split_sizes, *fp8_args, M, F, H, G, dy2.stride(0), dy2.stride(1), w2.stride(0), s_wh, s_wf,
             h.stride(0), h.stride(1), scales.stride(0) if scales is not None else 0,
-            dh.stride(0), dh.stride(1), y.stride(0), y.stride(1))
+            dh.stride(0), dh.stride(1), y.stride(0) if fp8 is None else 0, y.stride(1) if fp8 is None else 0)
     const = dict(HAS_SCALE=scales is not None, NEED_DS=need_ds, ACT=_act_id(kind, scales), USE_TMA=use_tma,
-                 PREC=dot_precision(dy2.dtype), G_P2=group_p2(G), BN_MIN=bn_min)
+                 PREC=dot_precision(dy2.dtype), G_P2=group_p2(G), BN_MIN=bn_min, FP8=fp8 is not None)
     DGLU_KERNEL.launch(persistent_grid(M, G, F, dy2.device), args, const, dy2.dtype, dy2.device)
     return dh, y, parts.sum(0) if need_ds else parts.new_empty(0)
+
+
+@kernel_op("fusible_ops::grouped_dglu", mutates_args=())
+def _grouped_dglu_op(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Tensor, h: torch.Tensor, kind: str,
+                     scales: Optional[torch.Tensor], need_dscales: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _dglu_launch(dy2, w2, split_sizes, h, kind, scales, need_dscales)
 
 
 @_grouped_dglu_op.register_fake
@@ -282,6 +332,34 @@ def _(dy2, w2, split_sizes, h, kind, scales, need_dscales):
     M, F = dy2.shape[0], w2.shape[2]
     ds = dy2.new_empty((M if need_dscales else 0,), dtype=torch.float32)
     return dy2.new_empty((M, 2 * F)), h.new_empty((M, F)), ds
+
+
+@kernel_op("fusible_ops::grouped_glu_fwd_fp8", mutates_args=("amax",))
+def _grouped_glu_fwd_fp8_op(x: torch.Tensor, sx: torch.Tensor, w1: torch.Tensor, sw: torch.Tensor,
+                            split_sizes: torch.Tensor, bias1: Optional[torch.Tensor], kind: str,
+                            scales: Optional[torch.Tensor], out_dtype: torch.dtype, amax: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _glu_fwd_launch(x, w1, split_sizes, bias1, kind, scales, (sx, sw, amax, out_dtype))
+
+
+@_grouped_glu_fwd_fp8_op.register_fake
+def _(x, sx, w1, sw, split_sizes, bias1, kind, scales, out_dtype, amax):
+    F = w1.shape[1] // 2
+    return x.new_empty((x.shape[0], F), dtype=out_dtype), x.new_empty((x.shape[0], 2 * F), dtype=out_dtype)
+
+
+@kernel_op("fusible_ops::grouped_dglu_fp8", mutates_args=("amax",))
+def _grouped_dglu_fp8_op(dy2: torch.Tensor, sdy: torch.Tensor, w2t: torch.Tensor, sw: torch.Tensor,
+                         split_sizes: torch.Tensor, h: torch.Tensor, kind: str, scales: Optional[torch.Tensor],
+                         need_dscales: bool, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dh, _, ds = _dglu_launch(dy2, w2t, split_sizes, h, kind, scales, need_dscales, (sdy, sw, amax))
+    return dh, ds
+
+
+@_grouped_dglu_fp8_op.register_fake
+def _(dy2, sdy, w2t, sw, split_sizes, h, kind, scales, need_dscales, amax):
+    M, F = dy2.shape[0], w2t.shape[1]
+    return h.new_empty((M, 2 * F)), dy2.new_empty((M if need_dscales else 0,), dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -330,6 +408,53 @@ def grouped_dglu(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Tensor,
     return grouped_dglu_ref(dy2, w2, split_sizes, h, kind, scales, need_dscales)
 
 
+def _deq(pair) -> torch.Tensor:
+    return pair[0].float() * pair[1].float().reshape(())
+
+
+def _raise_amax(amax: torch.Tensor, t: torch.Tensor) -> None:
+    if t.numel():
+        amax.copy_(torch.maximum(amax, t.abs().amax().float().reshape(amax.shape)))
+
+
+def grouped_glu_fwd_fp8(x, w1, split_sizes: torch.Tensor, bias1: Optional[torch.Tensor], kind: str,
+                        scales: Optional[torch.Tensor], out_dtype: torch.dtype, amax: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`grouped_glu_fwd` on FP8 operands: ``x`` = (data [M, K], scale_inv), ``w1`` = (data
+    [G, 2F, K], scale_inv), per-tensor scales. Returns (y, h) in ``out_dtype`` and raises ``amax``
+    (fp32 [1]) to max|y| in the same pass, for the cast of FC2's FP8 input. Without Triton (FP8 on
+    the CPU): fp32 math on the dequantized operands."""
+    _act_id(kind, scales)
+    check_splits(split_sizes, w1[0].shape[0], x[0], w1[0], bias1, scales)
+    if fp8_triton_ok(x[0], w1[0]):
+        return _grouped_glu_fwd_fp8_op(x[0], x[1].reshape(1).float(), w1[0], w1[1].reshape(1).float(), split_sizes,
+                                       bias1, kind, scales, out_dtype, amax)
+    y, h = grouped_glu_fwd_ref(_deq(x), _deq(w1), split_sizes, None if bias1 is None else bias1.float(), kind, scales)
+    y, h = y.to(out_dtype), h.to(out_dtype)
+    _raise_amax(amax, y)
+    return y, h
+
+
+def grouped_dglu_fp8(dy2, w2t, split_sizes: torch.Tensor, h: torch.Tensor, kind: str,
+                     scales: Optional[torch.Tensor], need_dscales: bool, amax: torch.Tensor
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`grouped_dglu` on FP8 operands: ``dy2`` = (data [M, H], scale_inv), ``w2t`` = (FC2's
+    weight transposed per group, data [G, F, H], scale_inv). Returns (dh [M, 2F] in h's dtype,
+    dscales or None) and raises ``amax`` to max|dh| in the same pass, for the cast of FC1's FP8
+    output gradient. y is not recomputed (FC2's weight gradient reads the forward's FP8 copy)."""
+    _act_id(kind, scales)
+    check_splits(split_sizes, w2t[0].shape[0], dy2[0], w2t[0], h, scales)
+    if fp8_triton_ok(dy2[0], w2t[0]):
+        dh, ds = _grouped_dglu_fp8_op(dy2[0], dy2[1].reshape(1).float(), w2t[0], w2t[1].reshape(1).float(),
+                                      split_sizes, h, kind, scales, need_dscales, amax)
+        return dh, (ds if need_dscales else None)
+    dh, _, ds = grouped_dglu_ref(_deq(dy2), _deq(w2t).transpose(1, 2), split_sizes, h.float(), kind, scales,
+                                 need_dscales)
+    dh = dh.to(h.dtype)
+    _raise_amax(amax, dh)
+    return dh, ds
+
+
 # ----------------------------------------------------------------------------- references
 def grouped_glu_fwd_ref(x: torch.Tensor, w1: torch.Tensor, split_sizes: torch.Tensor, bias1: Optional[torch.Tensor],
                         kind: str, scales: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,4 +488,5 @@ def grouped_dglu_ref(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Ten
     return dh, glu.to(h.dtype), ds
 
 
-__all__ = ["grouped_glu_fwd", "grouped_dglu", "grouped_glu_fwd_ref", "grouped_dglu_ref"]
+__all__ = ["grouped_dglu", "grouped_dglu_fp8", "grouped_dglu_ref", "grouped_glu_fwd", "grouped_glu_fwd_fp8",
+           "grouped_glu_fwd_ref"]

@@ -169,3 +169,43 @@ def test_gpu_graph_replay_with_changed_splits():
         g.replay()
         torch.cuda.synchronize()
         assert_sqnr(y.cpu(), mm64(a, b, torch.tensor(splits)), KERNEL_DB, msg=str(splits))
+
+
+# ---------------------------------------------------------------- the GLU epilogues on FP8 operands
+def _glu64(h, kind):
+    a, b = h.chunk(2, dim=-1)
+    act = torch.nn.functional.silu(a) if kind == "swiglu" else torch.nn.functional.gelu(a)
+    return act * b
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "geglu"])
+@pytest.mark.parametrize("splits", SPLITS[:2])
+def test_interpreter_glu_fwd_and_dglu_fp8(kind, splits, monkeypatch):
+    """FC1 + GLU and FC2's input gradient + dGLU on FP8 values (fp32 carriers, interpreter) vs
+    float64 math; the amax each takes in its pass equals max|output|."""
+    from fusible_ops.kernels import grouped_glu as GL
+
+    M, Hd, Fd = sum(splits), 32, 24
+    g = torch.Generator().manual_seed(4)
+    x = _fp8((M, Hd), E4M3, g)
+    w1 = _fp8((len(splits), 2 * Fd, Hd), E4M3, g, scale=Hd ** -0.5)
+    split = torch.tensor(splits)
+    amax = torch.zeros(1)
+    with K.use("triton"):
+        y, h = GL.grouped_glu_fwd_fp8(_on(x, "cpu", torch.float32), _on(w1, "cpu", torch.float32), split, None, kind,
+                                      None, torch.float32, amax)
+    h64 = mm64(x, w1, split)
+    assert_close_norm(h, h64, torch.float32)
+    assert_close_norm(y, _glu64(h.double(), kind), torch.float32)
+    assert amax.item() == y.abs().max().item()
+    dy = _fp8((M, Hd), E5M2, g)
+    w2t = _fp8((len(splits), Fd, Hd), E4M3, g, scale=Fd ** -0.5)  # FC2's weight [G, H, F], transposed per group
+    amax2 = torch.zeros(1)
+    with K.use("triton"):
+        dh, _ = GL.grouped_dglu_fp8(_on(dy, "cpu", torch.float32), _on(w2t, "cpu", torch.float32), split, h, kind,
+                                    None, False, amax2)
+    hr = h.double().requires_grad_()
+    gr = mm64(dy, w2t, split)  # dy_g @ w2[g] = dy_g @ w2t[g].T
+    (dh64,) = torch.autograd.grad(_glu64(hr, kind), hr, gr)
+    assert_close_norm(dh, dh64, torch.float32)
+    assert amax2.item() == dh.abs().max().item()
