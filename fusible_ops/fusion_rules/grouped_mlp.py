@@ -22,8 +22,9 @@ from ..errors import device_check
 from ..grad import deliver_weight_grad
 from ..op import FusedOperation
 from ..ops.activation import GEGLU, ScaledSwiGLU, SwiGLU
+from ..ops.fp8_grouped import grouped_recipe
 from ..ops.grouped_linear import GroupedLinear, check_split_sizes
-from ..quantization.recipes import Float8BlockScaling
+from .fp8_grouped_mlp import fp8_mlp_backward, fp8_mlp_forward
 from ..rules import match, rule
 
 
@@ -34,7 +35,8 @@ def _mlp():
 
 
 class FusedGroupedMLP(FusedOperation):
-    """Forward and backward of ``GroupedLinear -> GLU -> GroupedLinear``."""
+    """Forward and backward of ``GroupedLinear -> GLU -> GroupedLinear`` (in FP8 under a
+    per-tensor autocast recipe: :mod:`fusible_ops.fusion_rules.fp8_grouped_mlp`)."""
 
     def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
         gg, gm = _mlp()
@@ -55,6 +57,12 @@ class FusedGroupedMLP(FusedOperation):
             act.check_scales(x.new_empty(()).expand(*x.shape[:-1], 2 * fc2.in_features), given)  # no alloc
             scales = given.reshape(x2d.shape[0])
             ca.scales_shape = given.shape
+        recipe = grouped_recipe()
+        if recipe is not None:
+            out = fp8_mlp_forward(self, ctxs, x2d, splits, scales, recipe)
+            c1.input_shape = x.shape
+            return out.reshape(*x.shape[:-1], fc2.out_features), [(), (), ()]
+        c1.fp8 = None
         y, h = gm.grouped_glu_fwd(x2d, fc1.weight, splits, fc1.bias, act.kind, scales)
         out = gg.grouped_gemm_fwd(y, fc2.weight, splits, fc2.bias)
         if c1.requires_grad:
@@ -65,6 +73,20 @@ class FusedGroupedMLP(FusedOperation):
         return out.reshape(*x.shape[:-1], fc2.out_features), [(), (), ()]
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
+        fc1, act, fc2 = self.basic_ops
+        c1, ca, c2 = ctxs
+        if getattr(c1, "fp8", None) is not None:
+            dx, g1, g2, dscales = fp8_mlp_backward(self, ctxs, dy.reshape(-1, fc2.out_features))
+        else:
+            dx, g1, g2, dscales = self._backward_bf16(ctxs, dy)
+        if dx is not None:
+            dx = dx.reshape(c1.input_shape)
+        if dscales is not None:
+            dscales = dscales.to(ca.saved_tensors[1].dtype).reshape(ca.scales_shape)
+        extra_act = (dscales,) if isinstance(act, ScaledSwiGLU) else ()
+        return dx, [g1, (), g2], [(None,), extra_act, (None,)]
+
+    def _backward_bf16(self, ctxs, dy):
         gg, gm = _mlp()
         fc1, act, fc2 = self.basic_ops
         c1, ca, c2 = ctxs
@@ -84,7 +106,7 @@ class FusedGroupedMLP(FusedOperation):
         db2 = gg.grouped_bias_grad(dy2, splits) if c2.bias_grad else None
         dx = None
         if c1.input_requires_grad:
-            dx = gg.grouped_gemm_dgrad(dh, w1, splits).reshape(c1.input_shape)
+            dx = gg.grouped_gemm_dgrad(dh, w1, splits)
         dw1 = None
         if c1.weight_grad:
             dw1 = deliver_weight_grad(fc1, fc1.weight,
@@ -92,10 +114,7 @@ class FusedGroupedMLP(FusedOperation):
         db1 = gg.grouped_bias_grad(dh, splits) if c1.bias_grad else None
         g1 = (dw1, db1) if fc1.bias is not None else (dw1,)
         g2 = (dw2, db2) if fc2.bias is not None else (dw2,)
-        if dscales is not None:
-            dscales = dscales.to(scales.dtype).reshape(ca.scales_shape)
-        extra_act = (dscales,) if isinstance(act, ScaledSwiGLU) else ()
-        return dx, [g1, (), g2], [(None,), extra_act, (None,)]
+        return dx, g1, g2, dscales
 
 
 def _same_tensor(a, b) -> bool:
@@ -118,9 +137,6 @@ def _check(ops, ctx):
         return f"FC1 has {fc1.num_groups} groups, FC2 {fc2.num_groups}"
     if ctx.device is not None and ctx.device.type == "cuda" and ctx.dtype == torch.float64:
         return "float64 on CUDA: the Triton kernels serve fp32/fp16/bf16"
-    if ctx.recipe is not None and not isinstance(ctx.recipe, Float8BlockScaling):
-        return (f"FP8 ({type(ctx.recipe).__name__}): the fused GLU-epilogue grouped MLP is bf16 only; the grouped "
-                f"linears run their FP8 grouped GEMMs unfused")
     return None
 
 

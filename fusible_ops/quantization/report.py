@@ -74,9 +74,11 @@ def fp8_lines(ops, recipe, producers=frozenset(), grad_producers=frozenset()) ->
                              f"implemented yet")
             else:
                 lines.append(f"  {name}: FP8 grouped GEMMs (one scale per tensor; all experts' weights share "
-                             f"one); input: standalone cast ({_fmt(recipe, 'input')}) in this op; weight cast "
-                             f"once per weight change (cache); output gradient: standalone cast "
-                             f"({_fmt(recipe, 'grad_output')}) in its backward")
+                             f"one); weight cast once per weight change (cache); inside the fused grouped MLP "
+                             f"the FC1 + GLU pass takes the amax of FC2's input ({_fmt(recipe, 'input')}) and "
+                             f"FC2's input-gradient + dGLU pass the amax of FC1's output gradient "
+                             f"({_fmt(recipe, 'grad_output')}), each followed by one cast (both layouts); "
+                             f"otherwise standalone casts of its input and output gradient")
     return lines
 
 
