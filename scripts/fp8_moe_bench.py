@@ -1,5 +1,6 @@
 """FP8 grouped MLP vs bf16 (issue 12): ``GroupedLinear -> SwiGLU -> GroupedLinear``, forward +
-backward, same run. Variants: ours FP8 per per-tensor recipe, ours bf16 (the fused GLU-epilogue
+backward, same run. Variants: ours FP8 per per-tensor recipe (the fused GLU-epilogue MLP, and with current scaling
+also the rule disabled: FP8 grouped GEMMs with the GLU as its own kernel), ours bf16 (the fused GLU-epilogue
 grouped MLP), the ``torch._grouped_mm`` bf16 composition eager and under ``torch.compile``; ours
 also graph-replayed (``fo.make_graphed_callables``). Then each grouped GEMM on its own (FC1 of
 the first shape: forward, input gradient, weight gradient into fp32 main_grad), ours FP8 vs ours
@@ -10,6 +11,7 @@ Run on the GPU: ``PYTHONPATH=. python scripts/fp8_moe_bench.py [--quick]``. Prin
 tables (median ms of CUDA events after warm-up; TFLOP/s = 3 x forward FLOPs / time).
 """
 import argparse
+import contextlib
 import os
 import sys
 
@@ -39,17 +41,22 @@ def mlp(E, H, Fd):
     return seq
 
 
-def eager_step(seq, x, dy, splits, recipe):
+def _rules(fused):
+    """The fused grouped MLP rule on, or off (the GLU then runs as its own kernel)."""
+    return contextlib.nullcontext() if fused else fo.fusion_rules.disabled("grouped_mlp")
+
+
+def eager_step(seq, x, dy, splits, recipe, fused=True):
     def run():
-        with fo.autocast(recipe=recipe):
+        with fo.autocast(recipe=recipe), _rules(fused):
             y = seq(x, splits, splits)
         y.backward(dy)
     return run
 
 
-def graphed_step(E, H, Fd, x, dy, splits, recipe):
+def graphed_step(E, H, Fd, x, dy, splits, recipe, fused=True):
     seq = mlp(E, H, Fd)
-    with fo.autocast(recipe=recipe):
+    with fo.autocast(recipe=recipe), _rules(fused):
         g = fo.make_graphed_callables(seq, (x, splits, splits))
 
     def run():
@@ -81,10 +88,12 @@ def mlp_table(quick):
             dy = torch.randn(T, H, **BF)
             seq = mlp(E, H, Fd)
             rows = {}
-            for name, recipe in [("ours bf16", None), *RECIPES.items()]:
-                t = ms(eager_step(seq, x, dy, splits, recipe), n=10)
+            variants = [("ours bf16", None, True), *[(n, r, True) for n, r in RECIPES.items()],
+                        ("fp8 current, GLU unfused", RECIPES["fp8 current"], False)]
+            for name, recipe, fused in variants:
+                t = ms(eager_step(seq, x, dy, splits, recipe, fused), n=10)
                 try:
-                    tg = ms(graphed_step(E, H, Fd, x, dy, splits, recipe), n=10)
+                    tg = ms(graphed_step(E, H, Fd, x, dy, splits, recipe, fused), n=10)
                 except Exception as e:  # report, do not hide
                     print(f"<!-- graph {name}: {type(e).__name__}: {e} -->")
                     tg = float("nan")

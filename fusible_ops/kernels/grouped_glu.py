@@ -237,11 +237,23 @@ if HAS_TRITON:
     _DGLU_CONFIGS = [mn_config(128, 256, 64, 8, 3), mn_config(128, 256, 64, 8, 3, flat=True),
                      mn_config(128, 128, 64, 8, 4), mn_config(128, 128, 64, 4, 3, pps=2),
                      mn_config(64, 128, 64, 4, 4, pps=2), mn_config(64, 64, 32, 4, 3, pps=2)]
-    _BN_MIN = min(c.kwargs["BN"] for c in _DGLU_CONFIGS)  # partial-dscales slot width on GPU
-    GLU_FWD_KERNEL = TunedKernel(_glu_fwd_kernel, _GLU_CONFIGS, ["F", "K", "USE_TMA", "ACT", "HAS_BIAS", "HAS_SCALE"],
-                                 (_GLU_CONFIGS[2], _GLU_CONFIGS[5]), INTERP_MN)
-    DGLU_KERNEL = TunedKernel(_dglu_kernel, _DGLU_CONFIGS, ["F", "H", "USE_TMA", "ACT", "HAS_SCALE", "NEED_DS"],
-                              (_DGLU_CONFIGS[2], _DGLU_CONFIGS[5]), INTERP_MN)
+    # FP8 operands: BK = 128, the same 128-byte operand rows as BK = 64 in 16 bits (Hopper's FP8 MMA
+    # reads K-major tiles).
+    _GLU_FP8_CONFIGS = [mn_config(128, 128, 128, 8, 3), mn_config(128, 128, 128, 8, 4),
+                        mn_config(128, 64, 128, 8, 4), mn_config(128, 64, 128, 4, 3, pps=2),
+                        mn_config(64, 128, 128, 4, 3, pps=2), mn_config(64, 64, 128, 4, 3, pps=2)]
+    _DGLU_FP8_CONFIGS = [mn_config(128, 256, 128, 8, 3), mn_config(128, 256, 128, 8, 3, flat=True),
+                         mn_config(128, 128, 128, 8, 4), mn_config(128, 128, 128, 4, 3, pps=2),
+                         mn_config(64, 128, 128, 4, 4, pps=2), mn_config(64, 64, 128, 4, 3, pps=2)]
+    _BN_MIN = min(c.kwargs["BN"] for c in _DGLU_CONFIGS + _DGLU_FP8_CONFIGS)  # partial-dscales slot width on GPU
+    _GLU_KEY = ["F", "K", "USE_TMA", "ACT", "HAS_BIAS", "HAS_SCALE"]
+    _DGLU_KEY = ["F", "H", "USE_TMA", "ACT", "HAS_SCALE", "NEED_DS"]
+    GLU_FWD_KERNEL = TunedKernel(_glu_fwd_kernel, _GLU_CONFIGS, _GLU_KEY, (_GLU_CONFIGS[2], _GLU_CONFIGS[5]), INTERP_MN)
+    DGLU_KERNEL = TunedKernel(_dglu_kernel, _DGLU_CONFIGS, _DGLU_KEY, (_DGLU_CONFIGS[2], _DGLU_CONFIGS[5]), INTERP_MN)
+    GLU_FWD_FP8_KERNEL = TunedKernel(_glu_fwd_kernel, _GLU_FP8_CONFIGS, _GLU_KEY,
+                                     (_GLU_FP8_CONFIGS[0], _GLU_FP8_CONFIGS[0]), INTERP_MN)
+    DGLU_FP8_KERNEL = TunedKernel(_dglu_kernel, _DGLU_FP8_CONFIGS, _DGLU_KEY,
+                                  (_DGLU_FP8_CONFIGS[0], _DGLU_FP8_CONFIGS[0]), INTERP_MN)
 
 
 def _act_id(kind: str, scales) -> int:
@@ -278,7 +290,8 @@ def _glu_fwd_launch(x, w1, split_sizes, bias1, kind, scales, fp8=None):
             scales.stride(0) if scales is not None else 0)
     const = dict(HAS_BIAS=bias1 is not None, HAS_SCALE=scales is not None, ACT=_act_id(kind, scales),
                  USE_TMA=use_tma, PREC=dot_precision(x.dtype), G_P2=group_p2(G), FP8=fp8 is not None)
-    GLU_FWD_KERNEL.launch(persistent_grid(M, G, F, x.device), args, const, x.dtype, x.device)
+    kernel = GLU_FWD_KERNEL if fp8 is None else GLU_FWD_FP8_KERNEL
+    kernel.launch(persistent_grid(M, G, F, x.device), args, const, x.dtype, x.device)
     return y, h
 
 
@@ -316,7 +329,8 @@ def _dglu_launch(dy2, w2, split_sizes, h, kind, scales, need_dscales, fp8=None):
             dh.stride(0), dh.stride(1), y.stride(0) if fp8 is None else 0, y.stride(1) if fp8 is None else 0)
     const = dict(HAS_SCALE=scales is not None, NEED_DS=need_ds, ACT=_act_id(kind, scales), USE_TMA=use_tma,
                  PREC=dot_precision(dy2.dtype), G_P2=group_p2(G), BN_MIN=bn_min, FP8=fp8 is not None)
-    DGLU_KERNEL.launch(persistent_grid(M, G, F, dy2.device), args, const, dy2.dtype, dy2.device)
+    kernel = DGLU_KERNEL if fp8 is None else DGLU_FP8_KERNEL
+    kernel.launch(persistent_grid(M, G, F, dy2.device), args, const, dy2.dtype, dy2.device)
     return dh, y, parts.sum(0) if need_ds else parts.new_empty(0)
 
 
