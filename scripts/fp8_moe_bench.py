@@ -1,5 +1,5 @@
 """FP8 grouped MLP vs bf16 (issue 12): ``GroupedLinear -> SwiGLU -> GroupedLinear``, forward +
-backward, same run. Variants: ours FP8 per per-tensor recipe (the fused GLU-epilogue MLP, and with current scaling
+backward, same run. Variants: ours FP8 per recipe (per-tensor: the fused GLU-epilogue MLP, and with current scaling
 also the rule disabled: FP8 grouped GEMMs with the GLU as its own kernel), ours bf16 (the fused GLU-epilogue
 grouped MLP), the ``torch._grouped_mm`` bf16 composition eager and under ``torch.compile``; ours
 also graph-replayed (``fo.make_graphed_callables``). Then each grouped GEMM on its own (FC1 of
@@ -25,10 +25,11 @@ import fusible_ops as fo  # noqa: E402
 from fusible_ops.bench.cases import routing_splits  # noqa: E402
 from fusible_ops.kernels import fp8_grouped_gemm as FG  # noqa: E402
 from fusible_ops.kernels import grouped_gemm as GG  # noqa: E402
-from fusible_ops.quantization.casting import quantize  # noqa: E402
+from fusible_ops.quantization.casting import cached_weight, quantize  # noqa: E402
 
 BF = dict(device="cuda", dtype=torch.bfloat16)
-RECIPES = {"fp8 current": fo.Float8CurrentScaling(), "fp8 delayed": fo.Float8DelayedScaling()}
+RECIPES = {"fp8 current": fo.Float8CurrentScaling(), "fp8 delayed": fo.Float8DelayedScaling(),
+           "fp8 block": fo.Float8BlockScaling()}
 SHAPES = [(8, 16384, 4096, 7168), (64, 16384, 2048, 1408)]
 
 
@@ -136,6 +137,17 @@ def gemm_table():
         ("wgrad (+= fp32)", "ours fp8", lambda: FG.fp8_grouped_wgrad(dyq.colwise, xq.colwise, splits, out=main,
                                                                     accumulate=True)),
         ("wgrad (+= fp32)", "ours bf16", lambda: GG.grouped_gemm_wgrad(dy, x, splits, out=main, accumulate=True)),
+    ]
+    rb = fo.Float8BlockScaling()  # 1x128 / 128x128 scales; weight-gradient operands cast after pad_groups
+    xb, dyb = quantize(x, rb, "input"), quantize(dy, rb, "grad_output")
+    wb = cached_weight(torch.nn.Module(), w, rb, transposed=True, grouped=True)
+    xbt = quantize(FG.pad_groups(x, splits), rb, "input", transposed=True).colwise
+    dybt = quantize(FG.pad_groups(dy, splits), rb, "grad_output", transposed=True).colwise
+    rows += [
+        ("forward", "ours fp8 block", lambda: FG.fp8_grouped_mm(xb.rowwise, wb.rowwise, splits, torch.bfloat16)),
+        ("dgrad", "ours fp8 block", lambda: FG.fp8_grouped_mm(dyb.rowwise, wb.colwise, splits, torch.bfloat16)),
+        ("wgrad (+= fp32)", "ours fp8 block", lambda: FG.fp8_grouped_wgrad(dybt, xbt, splits, out=main,
+                                                                          accumulate=True)),
     ]
     if hasattr(torch, "_scaled_grouped_mm"):
         offs = torch.cumsum(splits, 0).to(torch.int32)

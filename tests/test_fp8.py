@@ -348,7 +348,7 @@ def test_explain_shows_where_casts_run_and_fallbacks():
     assert "[1] BasicLinear" in text and "output gradient (E5M2) written for it by the fused backward of [2...]" in text
     assert "[7] GroupedLinear: FP8 grouped GEMMs" in text
     with fo.autocast(recipe=fo.Float8BlockScaling()):
-        assert "[7] GroupedLinear: high precision (fallback)" in seq.explain(x, torch.tensor([64, 64]))
+        assert "[7] GroupedLinear: block-scaled FP8 grouped GEMMs" in seq.explain(x, torch.tensor([64, 64]))
 
 
 def _amax_reduction_worker(rank, world, init_file, out_dir):

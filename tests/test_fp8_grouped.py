@@ -297,3 +297,127 @@ def test_fused_fp8_mlp_takes_two_amaxes_in_its_kernels():
     assert fused == [(128, 64), (128, 64)] and len(calls) == 4, (fused, calls)
     torch.testing.assert_close(y, yu, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dx, dxu, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- block scaling
+BLOCK = fo.Float8BlockScaling()
+
+
+def _block_moe(device="cpu", dtype=torch.float32, **kw):
+    return _moe(device, dtype, e=4, h=128, f=128, **kw)
+
+
+def test_block_scaled_grouped_linear_meets_the_table_with_odd_splits():
+    """Split sizes that are no multiple of 128 (and an empty group); 1x128 / 128x128 scales."""
+    lin = fo.Sequential(fo.GroupedLinear(4, 128, 256, bias=True))
+    x, _, splits = _inputs([40, 0, 170, 46], h=128)
+    dy = torch.randn(256, 256, generator=torch.Generator().manual_seed(5))
+    y, dx = _run(lin, x, dy, splits, BLOCK)
+    y64, dx64, ref = _ref64(lin, x, dy, splits)
+    assert_sqnr(y, y64, SQNR_DB["output", "e4m3"], msg="y")
+    assert_sqnr(dx, dx64, SQNR_DB["grad", "e4m3"], msg="dx")
+    assert_sqnr(lin[0].weight.grad, ref[0].weight.grad, SQNR_DB["grad", "e4m3"], msg="dw")
+    assert torch.count_nonzero(lin[0].weight.grad[1]) == 0
+    with fo.autocast(recipe=BLOCK):
+        assert "block-scaled FP8 grouped GEMMs" in lin.explain(x, splits)
+
+
+def test_block_scaled_weight_gradient_scales_stay_inside_each_expert():
+    """Experts whose tokens differ by 1e5 in magnitude, with a group boundary inside a 128-row
+    tile: each expert's weight gradient is as accurate as the table asks (a tile shared across the
+    boundary would quantize the small expert's rows to nothing), and per-tensor scaling is not."""
+    from fusible_ops.testing import sqnr
+
+    lin = fo.Sequential(fo.GroupedLinear(2, 128, 128, bias=False))
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(70, 128, generator=g) * 1e-3, torch.randn(120, 128, generator=g) * 1e2])
+    dy = torch.cat([torch.randn(70, 128, generator=g) * 1e-3, torch.randn(120, 128, generator=g) * 1e2])
+    splits = torch.tensor([70, 120])
+    _, _, ref = _ref64(lin, x, dy, splits)
+    for recipe, ok in ((BLOCK, True), (RECIPES["e4m3"], False)):
+        lin.zero_grad(set_to_none=True)
+        _run(lin, x, dy, splits, recipe)
+        small = sqnr(lin[0].weight.grad[0], ref[0].weight.grad[0])
+        assert (small >= SQNR_DB["grad", "e4m3"]) == ok, (type(recipe).__name__, small)
+
+
+def test_block_scaled_mlp_runs_unfused_with_a_reason_and_keeps_the_contract():
+    seq = _block_moe(accumulate_into_main_grad=True, delay_wgrad_compute=True)
+    plain = _block_moe()
+    for m in (seq[0], seq[2]):
+        m.weight.main_grad = torch.full(m.weight.shape, 0.25)
+    x, dy, splits = _inputs([16, 131, 0, 109], h=128)
+    y, dx = _run(seq, x, dy, splits, BLOCK)
+    assert float(seq[0].weight.main_grad.sub(0.25).abs().max()) == 0.0  # delayed until backward_dw()
+    seq.backward_dw()
+    yp, dxp = _run(plain, x, dy, splits, BLOCK)
+    torch.testing.assert_close(y, yp, rtol=0, atol=0)
+    for m, p in ((seq[0], plain[0]), (seq[2], plain[2])):
+        torch.testing.assert_close(m.weight.main_grad, 0.25 + p.weight.grad, rtol=0, atol=1e-6)
+    y64, dx64, ref = _ref64(plain, x, dy, splits)
+    assert_sqnr(dx, dx64, SQNR_DB["grad", "e4m3"], msg="dx")
+    with fo.autocast(recipe=BLOCK):
+        assert [r["rule"] for r in seq.fusion_plan()] == [None, None, None]
+        assert "the GLU-epilogue kernels take per-tensor scales" in seq.explain(x, splits, splits)
+
+
+def test_block_scaling_needs_feature_sizes_divisible_by_128():
+    lin = fo.Sequential(fo.GroupedLinear(2, 64, 128))
+    x, dy, splits = _inputs([10, 20], h=64)
+    with fo.autocast(recipe=BLOCK), pytest.raises(ValueError, match="divisible by 128.*in_features=64"):
+        lin(x, splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [[300, 0, 17, 1, 194], [0, 512, 0, 0, 0]])
+def test_gpu_block_scaled_grouped_mlp_matches_the_emulation(splits):
+    """The block-scaled Triton kernels against float64, judged by the CPU emulation's own error on
+    the same FP8 operands (odd split sizes, an empty expert, one expert taking every token)."""
+    _skip_without_fp8()
+    from fusible_ops.testing import sqnr
+
+    seq = _moe("cuda", torch.bfloat16, e=5, h=256, f=384, bias=True)
+    x, dy, splits = _inputs(splits, h=256, device="cuda", dtype=torch.bfloat16)
+    y, dx = _run(seq, x, dy, splits, BLOCK)
+    y64, dx64, ref = _ref64(seq, x, dy, splits)
+    emu = copy.deepcopy(seq).to("cpu", torch.float32)
+    for p in emu.parameters():
+        p.grad = None
+    ye, dxe = _run(emu, x.float().cpu(), dy.float().cpu(), splits.cpu(), BLOCK)
+    assert_sqnr(y, y64, min(sqnr(ye, y64) - 1.0, SQNR_DB["output", "e4m3"]), msg="y")
+    assert_sqnr(dx, dx64, min(sqnr(dxe, dx64) - 1.0, SQNR_DB["grad", "e4m3"]), msg="dx")
+    for i in (0, 2):
+        w64 = ref[i].weight.grad
+        assert_sqnr(seq[i].weight.grad, w64, min(sqnr(emu[i].weight.grad, w64) - 1.0, SQNR_DB["grad", "e4m3"]),
+                    msg=f"dw{i}")
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_block_scaled_moe_changing_splits_matches_eager():
+    """Block scaling under fo.make_graphed_callables: the padded layout's size depends only on
+    the token count, so other split sizes replay; equal to eager."""
+    _skip_without_fp8()
+    seq = _moe("cuda", torch.float32, e=4, h=128, f=128)
+    ref = copy.deepcopy(seq)
+    x_static = torch.zeros(384, 128, device="cuda", requires_grad=True)
+    s_static = torch.tensor([96, 96, 96, 96], device="cuda")
+    with fo.autocast(recipe=BLOCK):
+        graphed = fo.make_graphed_callables(seq, (x_static, s_static, s_static), num_warmup_iters=1)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for splits in ([100, 0, 284, 0], [1, 2, 3, 378], [129, 127, 1, 127]):
+        s = torch.tensor(splits, device="cuda")
+        x = torch.randn(384, 128, device="cuda", generator=g)
+        dy = torch.randn(384, 128, device="cuda", generator=g)
+        with torch.no_grad():
+            x_static.copy_(x)
+            s_static.copy_(s)
+        seq.zero_grad(set_to_none=False)
+        ref.zero_grad(set_to_none=True)
+        y = graphed(x_static, s_static, s_static)
+        y.backward(dy)
+        with fo.autocast(recipe=BLOCK):
+            yr = ref(x.clone().requires_grad_(), s, s)
+        yr.backward(dy)
+        torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
+        for i in (0, 2):
+            torch.testing.assert_close(seq[i].weight.grad, ref[i].weight.grad, rtol=1e-5, atol=1e-5)

@@ -23,6 +23,7 @@ from ..grad import deliver_weight_grad
 from ..op import FusedOperation
 from ..ops.activation import GEGLU, ScaledSwiGLU, SwiGLU
 from ..ops.fp8_grouped import grouped_recipe
+from ..quantization.recipes import Float8BlockScaling
 from ..ops.grouped_linear import GroupedLinear, check_split_sizes
 from .fp8_grouped_mlp import fp8_mlp_backward, fp8_mlp_forward
 from ..rules import match, rule
@@ -137,6 +138,9 @@ def _check(ops, ctx):
         return f"FC1 has {fc1.num_groups} groups, FC2 {fc2.num_groups}"
     if ctx.device is not None and ctx.device.type == "cuda" and ctx.dtype == torch.float64:
         return "float64 on CUDA: the Triton kernels serve fp32/fp16/bf16"
+    if isinstance(ctx.recipe, Float8BlockScaling):
+        return ("FP8 block scaling: the GLU-epilogue kernels take per-tensor scales; the grouped linears run "
+                "block-scaled FP8 grouped GEMMs with the GLU as its own kernel")
     return None
 
 

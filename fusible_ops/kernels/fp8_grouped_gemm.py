@@ -16,7 +16,16 @@ Operands are FP8 bytes (``float8_e4m3fn`` / ``float8_e5m2``) with one fp32 ``sca
   input (written by their casts in the same pass as the row-wise bytes).
 
 The fp32 accumulator is multiplied by ``scale_inv_a * scale_inv_b`` (then + bias) and stored in
-the output dtype, or added into an fp32 buffer (``main_grad``). Under Triton's interpreter the
+the output dtype, or added into an fp32 buffer (``main_grad``).
+
+Block scaling (DeepSeek-V3): ``a`` in 1x128 tiles along K (scale_inv [M, K/128]), ``b`` in
+128x128 blocks per group (scale_inv [G, N/128, K/128]); each 128-wide K step's partial product
+is scaled by its tile's and block's scales before it joins the fp32 accumulator. The weight
+gradient reduces over tokens, so its operands' 1x128 tiles run along M and must not span two
+groups: :func:`pad_groups` copies a [M, C] operand into a zero-padded [Mp, C] layout in which
+every group starts on a multiple of 128 rows (``Mp`` = :func:`padded_rows`, a bound that depends
+only on M and G, so CUDA graphs can replay other split sizes); its column-wise cast then has
+tiles inside one group, and the kernel walks each group's padded rows in 128-row chunks. Under Triton's interpreter the
 operands may be fp16/fp32 tensors holding FP8 values (FP8 ``tl.dot`` is not emulated there); FP8
 tensors on the CPU run the ``*_ref`` (fp32 math on the dequantized values).
 """
@@ -48,30 +57,102 @@ if HAS_TRITON:
         a_ptr,  # [M, K] FP8, K contiguous
         b_ptr,  # [G, N, K] FP8, K contiguous
         c_ptr,  # [M, N] output
-        sa_ptr, sb_ptr,  # fp32 scale_inv of a and b (one element each)
+        sa_ptr, sb_ptr,  # fp32 scale_inv of a and b (one element each; BLOCK: [M, KB] and [G, NB, KB])
         bias_ptr,  # [G, N] or a dummy pointer
         split_ptr,  # [G] int64
         M, N, K, G, s_am, s_bg, s_bn, s_cm, s_biasg,
+        s_sam, s_sak, s_sbg, s_sbn, s_sbk,  # BLOCK: strides of the scale_inv tensors (else 0)
         HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, PREC: tl.constexpr, G_P2: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-        FLATTEN: tl.constexpr = False, PPS: tl.constexpr = 1,
+        FLATTEN: tl.constexpr = False, PPS: tl.constexpr = 1, BLOCK: tl.constexpr = False,
     ):
-        """c[rows of g] = (a_g @ b_g.T) * sa * sb (+ bias[g]); persistent over all groups' tiles."""
+        """c[rows of g] = (a_g @ b_g.T) * sa * sb (+ bias[g]); persistent over all groups' tiles.
+        ``BLOCK``: 1x128 / 128x128 scales applied per 128-wide K step (BK divides 128)."""
         gi, start, m, tiles, tile_end, total, TILES_N = tile_space(split_ptr, G, M, N, G_P2, BM, BN)
         a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, K, N, G, s_am, s_bg, 1, s_bn, True, USE_TMA, BM, BN, BK)
-        scale = tl.load(sa_ptr).to(tl.float32) * tl.load(sb_ptr).to(tl.float32)
+        if not BLOCK:
+            scale = tl.load(sa_ptr).to(tl.float32) * tl.load(sb_ptr).to(tl.float32)
         for t in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
             g, row0, rows, rmask, n0, offs_n, nmask = tile_coords(t, gi, start, m, tile_end, tiles, TILES_N, N,
                                                                   BM, BN, GROUP_M)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            acc = mainloop(acc, a_ptr, a_desc, b_ptr, b_desc, g, row0, rows, rmask, n0, offs_n, nmask,
-                           K, s_am, 1, s_bg, 1, s_bn, True, USE_TMA, PREC, BN, BK)
-            acc = acc * scale
+            if BLOCK:
+                acc = _block_mainloop(acc, a_ptr, a_desc, b_ptr, b_desc, sa_ptr, sb_ptr, g, row0, rows, rmask, n0,
+                                      offs_n, nmask, K, s_am, s_bg, s_bn, s_sam, s_sak, s_sbg, s_sbn, s_sbk,
+                                      USE_TMA, PREC, BN, BK)
+            else:
+                acc = mainloop(acc, a_ptr, a_desc, b_ptr, b_desc, g, row0, rows, rmask, n0, offs_n, nmask,
+                               K, s_am, 1, s_bg, 1, s_bn, True, USE_TMA, PREC, BN, BK)
+                acc = acc * scale
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + g.to(tl.int64) * s_biasg + offs_n, mask=nmask, other=0.0)
                 acc += bias.to(tl.float32)[None, :]
             c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * s_cm + offs_n[None, :]
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _block_mainloop(acc, a_ptr, a_desc, b_ptr, b_desc, sa_ptr, sb_ptr, g, row0, rows, rmask, n0, offs_n, nmask,
+                        K, s_am, s_bg, s_bn, s_sam, s_sak, s_sbg, s_sbn, s_sbk,
+                        USE_TMA: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """acc += sum over K steps of (A[rows, k] @ B_g[n, k].T) * sa[rows, k // 128] * sb[g, n // 128, k // 128]:
+        each step's product scaled by its 1x128 tile (rows of A) and 128x128 block (columns) scales."""
+        sa_rows = sa_ptr + rows.to(tl.int64) * s_sam
+        sb_cols = sb_ptr + g.to(tl.int64) * s_sbg + (offs_n // 128).to(tl.int64) * s_sbn
+        a_row = a_ptr + rows.to(tl.int64)[:, None] * s_am
+        b_base = b_ptr + g.to(tl.int64) * s_bg + offs_n.to(tl.int64)[None, :] * s_bn
+        for k0 in range(0, K, BK):
+            if USE_TMA:
+                a = a_desc.load([row0, k0])
+                b = tl.trans(tl.reshape(b_desc.load([g, n0, k0]), (BN, BK)))
+            else:
+                offs_k = k0 + tl.arange(0, BK)
+                kmask = offs_k < K
+                a = tl.load(a_row + offs_k.to(tl.int64)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                b = tl.load(b_base + offs_k.to(tl.int64)[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+            kb = k0 // 128
+            sa = tl.load(sa_rows + kb * s_sak, mask=rmask, other=0.0)
+            sb = tl.load(sb_cols + kb * s_sbk, mask=nmask, other=0.0)
+            acc += tl.dot(a, b, input_precision=PREC) * sa[:, None] * sb[None, :]
+        return acc
+
+    @triton.jit
+    def _padded_group_rows(split_ptr, g, G, MP, G_P2: tl.constexpr):
+        """(row start, rows) of group ``g`` in the layout of :func:`pad_groups` (each group starts on
+        a multiple of 128 rows), clamped to the MP rows there are (bad split sizes read nothing
+        out of bounds; they are reported by the device-side split check). 32-bit: TMA offsets."""
+        gi = tl.arange(0, G_P2)
+        m = tl.maximum(tl.load(split_ptr + gi, mask=gi < G, other=0), 0)
+        r0 = tl.minimum(tl.sum(tl.where(gi < g, (m + 127) // 128 * 128, 0), 0), MP)
+        mg = tl.minimum(tl.sum(tl.where(gi == g, m, 0), 0), MP - r0)
+        return r0.to(tl.int32), mg.to(tl.int32)
+
+    @triton.jit
+    def _wgrad_block_loop(acc, at_ptr, bt_ptr, sat_ptr, sbt_ptr, r0, mg, n0, k0, offs_n, offs_k, nmask, kmask,
+                          N, K, MP, s_at, s_bt, s_san, s_sar, s_sbk, s_sbr,
+                          USE_TMA: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          BR: tl.constexpr):
+        """acc += sum over the group's padded 128-row chunks c of (a_t[n, c] @ b_t[k, c].T) * sat[n, c] * sbt[k, c]
+        (padding rows are zeros: no row mask; chunks never leave the padded buffer)."""
+        if USE_TMA:
+            a_desc = tl.make_tensor_descriptor(at_ptr, shape=[N, MP], strides=[s_at, 1], block_shape=[BN, BR])
+            b_desc = tl.make_tensor_descriptor(bt_ptr, shape=[K, MP], strides=[s_bt, 1], block_shape=[BK, BR])
+        a_rows = at_ptr + offs_n.to(tl.int64)[:, None] * s_at
+        b_rows = bt_ptr + offs_k.to(tl.int64)[:, None] * s_bt
+        sa_base = sat_ptr + offs_n.to(tl.int64) * s_san
+        sb_base = sbt_ptr + offs_k.to(tl.int64) * s_sbk
+        for r in range(0, mg, BR):
+            if USE_TMA:
+                a = a_desc.load([n0, r0 + r])
+                b = b_desc.load([k0, r0 + r])
+            else:
+                cols = (r0 + r + tl.arange(0, BR)).to(tl.int64)[None, :]
+                a = tl.load(a_rows + cols, mask=nmask[:, None], other=0.0)
+                b = tl.load(b_rows + cols, mask=kmask[:, None], other=0.0)
+            c = (r0 + r) // 128
+            sa = tl.load(sa_base + c * s_sar, mask=nmask, other=0.0)
+            sb = tl.load(sb_base + c * s_sbr, mask=kmask, other=0.0)
+            acc += tl.dot(a, tl.trans(b), input_precision=PREC) * sa[:, None] * sb[None, :]
+        return acc
 
     @triton.jit
     def _wgrad_ptr_loop(acc, at_ptr, bt_ptr, r0, mg, offs_n, offs_k, nmask, kmask, s_at, s_bt,
@@ -95,18 +176,42 @@ if HAS_TRITON:
         out_ptr,  # [G, N, K] (strided): fp32 main_grad or the weight's dtype
         sa_ptr, sb_ptr, split_ptr,
         M, N, K, G, s_at, s_bt, s_og, s_on, s_ok,
+        s_san, s_sar, s_sbk, s_sbr,  # BLOCK: strides of the scale_inv tensors [N, Mp/128], [K, Mp/128]
         ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, PREC: tl.constexpr, G_P2: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
+        BLOCK: tl.constexpr = False,
     ):
         """out[g] (+)= (a_t[:, rows of g] @ b_t[:, rows of g].T) * sa * sb; one [BN, BK] tile per
-        program, grid G * tiles_n * tiles_k."""
+        program, grid G * tiles_n * tiles_k. ``BLOCK``: a_t, b_t in the padded layout of
+        :func:`pad_groups` (M = Mp) with 1x128 scales along it, applied per 128-row chunk."""
         g, n0, k0 = wgrad_tile(tl.program_id(0), N, K, BN, BK, GROUP_N)
-        r0, mg = group_rows(split_ptr, g, G, M, G_P2)
         offs_n = n0 + tl.arange(0, BN)
         offs_k = k0 + tl.arange(0, BK)
         nmask = offs_n < N
         kmask = offs_k < K
         acc = tl.zeros((BN, BK), dtype=tl.float32)
+        if BLOCK:
+            r0, mg = _padded_group_rows(split_ptr, g, G, M, G_P2)
+            acc = _wgrad_block_loop(acc, at_ptr, bt_ptr, sa_ptr, sb_ptr, r0, mg, n0, k0, offs_n, offs_k, nmask, kmask,
+                                    N, K, M, s_at, s_bt, s_san, s_sar, s_sbk, s_sbr, USE_TMA, PREC, BN, BK, BR)
+        else:
+            r0, mg = group_rows(split_ptr, g, G, M, G_P2)
+            acc = _wgrad_tensor_loop(acc, at_ptr, bt_ptr, r0, mg, n0, k0, offs_n, offs_k, nmask, kmask, N, K,
+                                     s_at, s_bt, USE_TMA, PREC, BN, BK, BR)
+            acc = acc * (tl.load(sa_ptr).to(tl.float32) * tl.load(sb_ptr).to(tl.float32))
+        o_base = out_ptr + g.to(tl.int64) * s_og
+        if ACCUMULATE and BK >= 128:  # read-modify-write in two column halves (register pressure)
+            acc0, acc1 = split_cols(acc, BN, BK)
+            wgrad_store(acc0, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
+            wgrad_store(acc1, o_base, offs_n, nmask, k0 + BK // 2, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
+        else:
+            wgrad_store(acc, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK)
+
+    @triton.jit
+    def _wgrad_tensor_loop(acc, at_ptr, bt_ptr, r0, mg, n0, k0, offs_n, offs_k, nmask, kmask, N, K, s_at, s_bt,
+                           USE_TMA: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           BR: tl.constexpr):
+        """acc += a_t[n tile, rows of g] @ b_t[k tile, rows of g].T (per-tensor operands)."""
         # TMA only for groups whose column range starts and ends on 16-byte boundaries (an
         # unaligned start faulted on the H200); other groups take the pointer loads.
         if USE_TMA:
@@ -124,14 +229,7 @@ if HAS_TRITON:
                 acc = _wgrad_ptr_loop(acc, at_ptr, bt_ptr, r0, mg, offs_n, offs_k, nmask, kmask, s_at, s_bt, PREC, BR)
         else:
             acc = _wgrad_ptr_loop(acc, at_ptr, bt_ptr, r0, mg, offs_n, offs_k, nmask, kmask, s_at, s_bt, PREC, BR)
-        acc = acc * (tl.load(sa_ptr).to(tl.float32) * tl.load(sb_ptr).to(tl.float32))
-        o_base = out_ptr + g.to(tl.int64) * s_og
-        if ACCUMULATE and BK >= 128:  # read-modify-write in two column halves (register pressure)
-            acc0, acc1 = split_cols(acc, BN, BK)
-            wgrad_store(acc0, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
-            wgrad_store(acc1, o_base, offs_n, nmask, k0 + BK // 2, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
-        else:
-            wgrad_store(acc, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK)
+        return acc
 
     # Hopper FP8 tiles: BK = 128 (one 128-byte swizzle row per operand row).
     _MM_CONFIGS = [mn_config(128, 256, 128, 8, 3), mn_config(128, 256, 128, 8, 4),
@@ -140,10 +238,22 @@ if HAS_TRITON:
     _WG_CONFIGS = [wgrad_config(128, 256, 128, 8, 3), wgrad_config(128, 256, 64, 8, 4),
                    wgrad_config(128, 128, 128, 8, 4), wgrad_config(128, 128, 128, 4, 4),
                    wgrad_config(128, 128, 64, 4, 4), wgrad_config(64, 64, 64, 4, 3)]
-    MM_KERNEL = TunedKernel(_fp8_ggemm_kernel, _MM_CONFIGS, ["N", "K", "USE_TMA", "HAS_BIAS"],
-                            (_MM_CONFIGS[0], _MM_CONFIGS[5]), INTERP_MN)
-    WGRAD_KERNEL = TunedKernel(_fp8_ggemm_wgrad_kernel, _WG_CONFIGS, ["N", "K", "USE_TMA", "ACCUMULATE"],
-                               (_WG_CONFIGS[0], _WG_CONFIGS[5]), INTERP_WG, restore_value=["out_ptr"])
+    # Block scaling keeps a second fp32 tile (each K step's partial product) live: smaller tiles.
+    _MM_BLOCK_CONFIGS = [mn_config(128, 128, 128, 8, 3), mn_config(128, 128, 128, 8, 4), mn_config(128, 128, 128, 8, 5),
+                         mn_config(128, 64, 128, 4, 4), mn_config(64, 128, 128, 4, 4, pps=2),
+                         mn_config(64, 64, 128, 4, 3, pps=2)]
+    _WG_BLOCK_CONFIGS = [wgrad_config(128, 128, 128, 8, 3), wgrad_config(128, 128, 64, 8, 4),
+                         wgrad_config(64, 128, 128, 4, 3), wgrad_config(128, 64, 128, 4, 4),
+                         wgrad_config(64, 64, 64, 4, 3)]
+    _MM_KEY = ["N", "K", "USE_TMA", "HAS_BIAS"]
+    _WG_KEY = ["N", "K", "USE_TMA", "ACCUMULATE"]
+    MM_KERNEL = TunedKernel(_fp8_ggemm_kernel, _MM_CONFIGS, _MM_KEY, (_MM_CONFIGS[0], _MM_CONFIGS[5]), INTERP_MN)
+    WGRAD_KERNEL = TunedKernel(_fp8_ggemm_wgrad_kernel, _WG_CONFIGS, _WG_KEY, (_WG_CONFIGS[0], _WG_CONFIGS[5]),
+                               INTERP_WG, restore_value=["out_ptr"])
+    MM_BLOCK_KERNEL = TunedKernel(_fp8_ggemm_kernel, _MM_BLOCK_CONFIGS, _MM_KEY,
+                                  (_MM_BLOCK_CONFIGS[0], _MM_BLOCK_CONFIGS[0]), INTERP_MN)
+    WGRAD_BLOCK_KERNEL = TunedKernel(_fp8_ggemm_wgrad_kernel, _WG_BLOCK_CONFIGS, _WG_KEY,
+                                     (_WG_BLOCK_CONFIGS[0], _WG_BLOCK_CONFIGS[0]), INTERP_WG, restore_value=["out_ptr"])
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -154,10 +264,14 @@ def _launch_mm(a, sa, b, sb, bias, split, out_dtype):
     if M == 0 or N == 0:
         return c
     has_bias = bias is not None
+    block = sa.dim() == 2  # 1x128 tiles [M, KB] (and 128x128 blocks [G, NB, KB])
+    sstrides = (*sa.stride(), *sb.stride()) if block else (0,) * 5
     args = (a, b, c, sa, sb, bias if has_bias else c, split, M, N, K, G, a.stride(0), b.stride(0), b.stride(1),
-            c.stride(0), bias.stride(0) if has_bias else 0)
-    const = dict(HAS_BIAS=has_bias, USE_TMA=K > 0 and tma_ok(a, b), PREC=dot_precision(a.dtype), G_P2=group_p2(G))
-    MM_KERNEL.launch(persistent_grid(M, G, N, a.device), args, const, a.dtype, a.device)
+            c.stride(0), bias.stride(0) if has_bias else 0, *sstrides)
+    const = dict(HAS_BIAS=has_bias, USE_TMA=K > 0 and tma_ok(a, b), PREC=dot_precision(a.dtype), G_P2=group_p2(G),
+                 BLOCK=block)
+    (MM_BLOCK_KERNEL if block else MM_KERNEL).launch(persistent_grid(M, G, N, a.device), args, const, a.dtype,
+                                                     a.device)
     return c
 
 
@@ -166,12 +280,14 @@ def _launch_wgrad(at, sa, bt, sb, split, out, accumulate):
     K, G = bt.shape[0], out.shape[0]
     if G == 0 or N == 0 or K == 0:
         return out
+    block = sa.dim() == 2  # padded layout, 1x128 tiles along M: [N, Mp/128], [K, Mp/128]
+    sstrides = (*sa.stride(), *sb.stride()) if block else (0,) * 4
     args = (at, bt, out, sa, sb, split, M, N, K, G, at.stride(0), bt.stride(0), out.stride(0), out.stride(1),
-            out.stride(2))
+            out.stride(2), *sstrides)
     const = dict(ACCUMULATE=accumulate, USE_TMA=M > 0 and tma_ok(at, bt), PREC=dot_precision(at.dtype),
-                 G_P2=group_p2(G))
-    WGRAD_KERNEL.launch(lambda meta: (G * cdiv(N, meta["BN"]) * cdiv(K, meta["BK"]),), args, const, at.dtype,
-                        at.device)
+                 G_P2=group_p2(G), BLOCK=block)
+    (WGRAD_BLOCK_KERNEL if block else WGRAD_KERNEL).launch(
+        lambda meta: (G * cdiv(N, meta["BN"]) * cdiv(K, meta["BK"]),), args, const, at.dtype, at.device)
     return out
 
 
@@ -197,9 +313,46 @@ def _(at, sa, bt, sb, split_sizes, out, accumulate):
     return None
 
 
+# ----------------------------------------------------------------------------- padded layout
+def padded_rows(M: int, G: int) -> int:
+    """Rows of :func:`pad_groups`' layout for M rows in G groups: a bound on sum_g ceil(m_g/128)*128
+    that depends only on M and G (a multiple of 128)."""
+    return cdiv(M + 127 * G, 128) * 128
+
+
+def padded_index(split_sizes: torch.Tensor, M: int) -> torch.Tensor:
+    """[M] int64: the row of :func:`pad_groups`' layout that row i goes to (group g's rows start at
+    sum_{h<g} ceil(m_h/128)*128). Device ops only: no host sync."""
+    ends = torch.cumsum(split_sizes, 0)
+    padded = (split_sizes + 127) // 128 * 128
+    shift = (torch.cumsum(padded, 0) - padded) - (ends - split_sizes)  # padded start - start, per group
+    rows = torch.arange(M, device=split_sizes.device)
+    return rows + shift[torch.searchsorted(ends, rows, right=True)]
+
+
+def pad_groups(x: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, C] copied into a zero-filled [padded_rows(M, G), C] in which every group starts on a
+    multiple of 128 rows: the column-wise 1x128 cast of the result has no tile spanning two groups
+    (the block-scaled weight gradient's operands). No row is lost: row i lands at
+    ``padded_index(split_sizes, M)[i]``, distinct rows at distinct places."""
+    M = x.shape[0]
+    out = x.new_zeros((padded_rows(M, split_sizes.shape[0]), x.shape[1]))
+    if M:
+        out.index_copy_(0, padded_index(split_sizes, M), x)
+    return out
+
+
 # ----------------------------------------------------------------------------- refs
 def _deq(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    return data.float() * scale_inv.float().reshape(())
+    """fp32 values of an operand: one scale, 1x128 tiles along the last dim ([R, C] with scales
+    [R, C/128]) or 128x128 blocks of each group ([G, N, K] with scales [G, N/128, K/128])."""
+    x = data.float()
+    if scale_inv.dim() <= 1:  # per tensor
+        return x * scale_inv.float().reshape(())
+    s = scale_inv.float().repeat_interleave(128, dim=-1)[..., : x.shape[-1]]
+    if data.dim() == 3:
+        s = s.repeat_interleave(128, dim=1)[:, : x.shape[1]]
+    return x * s
 
 
 def fp8_grouped_mm_ref(a, b, split_sizes: torch.Tensor, out_dtype: torch.dtype,
@@ -211,8 +364,14 @@ def fp8_grouped_mm_ref(a, b, split_sizes: torch.Tensor, out_dtype: torch.dtype,
 
 def fp8_grouped_wgrad_ref(a_t, b_t, split_sizes: torch.Tensor, out: Optional[torch.Tensor] = None,
                           accumulate: bool = False, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Pure-torch twin of :func:`fp8_grouped_wgrad`."""
-    r = grouped_gemm_wgrad_ref(_deq(*a_t).t(), _deq(*b_t).t(), split_sizes)
+    """Pure-torch twin of :func:`fp8_grouped_wgrad` (block-scaled operands: back from the padded
+    layout first)."""
+    a, b = _deq(*a_t), _deq(*b_t)
+    if a_t[1].dim() == 2:
+        M = int(split_sizes.sum())
+        rows = padded_index(split_sizes.to(a.device), M)
+        a, b = a[:, rows], b[:, rows]
+    r = grouped_gemm_wgrad_ref(a.t(), b.t(), split_sizes)
     if out is None:
         return r.to(out_dtype)
     out.copy_(r + out.float() if accumulate else r)
@@ -232,13 +391,20 @@ def fp8_triton_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.dtype in _CARRIERS
 
 
-def _check(name, split_sizes, G, *pairs):
+def _check(name, split_sizes, G, *pairs, block_scales=None):
+    """Layouts, and the scaling of the operands: per tensor (one scale_inv each) or, where
+    ``block_scales`` gives the expected scale shapes, block scaling. Returns whether block."""
     for data, inv in pairs:
         if data.dim() < 2 or data.stride(-1) != 1:
             raise ValueError(f"{name}: operands must have a contiguous last dim, got strides {tuple(data.stride())}")
-        if inv.numel() != 1:
-            raise ValueError(f"{name}: per-tensor scaling only (one scale_inv per operand), got {inv.numel()} scales")
     check_splits(split_sizes, G, *(d for d, _ in pairs))
+    if all(inv.numel() == 1 and inv.dim() <= 1 for _, inv in pairs):
+        return False
+    got = [tuple(inv.shape) for _, inv in pairs]
+    if block_scales is None or got != [tuple(s) for s in block_scales]:
+        raise ValueError(f"{name}: scale_inv shapes {got}: expected one scale per operand, or block scales "
+                         f"{block_scales}")
+    return True
 
 
 def fp8_grouped_mm(a, b, split_sizes: torch.Tensor, out_dtype: torch.dtype,
@@ -247,15 +413,20 @@ def fp8_grouped_mm(a, b, split_sizes: torch.Tensor, out_dtype: torch.dtype,
 
     ``a`` = (data [M, K], scale_inv), ``b`` = (data [G, N, K], scale_inv): FP8 with a contiguous
     K and one fp32 scale_inv each; ``bias`` [G, N] or None; ``split_sizes`` [G] int64 on the
-    operands' device. Returns [M, N] in ``out_dtype`` (fp32 accumulate)."""
+    operands' device. Returns [M, N] in ``out_dtype`` (fp32 accumulate). Block scaling: a's
+    scale_inv [M, K/128] (1x128 tiles), b's [G, N/128, K/128] (128x128 blocks of each group)."""
     (ad, sa), (bd, sb) = a, b
-    _check("fp8_grouped_mm", split_sizes, bd.shape[0], a, b)
-    if ad.shape[1] != bd.shape[2]:
-        raise ValueError(f"fp8_grouped_mm: a is {tuple(ad.shape)} but b is {tuple(bd.shape)} (K must agree)")
+    if ad.dim() != 2 or bd.dim() != 3 or ad.shape[1] != bd.shape[2]:
+        raise ValueError(f"fp8_grouped_mm: a is {tuple(ad.shape)} but b is {tuple(bd.shape)} (a [M, K] and "
+                         f"b [G, N, K]: K must agree)")
+    (M, K), (G, N) = ad.shape, bd.shape[:2]
+    block = _check("fp8_grouped_mm", split_sizes, G, a, b,
+                   block_scales=((M, cdiv(K, 128)), (G, cdiv(N, 128), cdiv(K, 128))))
     if not fp8_triton_ok(ad, bd):
         return fp8_grouped_mm_ref(a, b, split_sizes, out_dtype, bias)
     bias = bias.contiguous() if bias is not None else None
-    return _fp8_grouped_mm_op(ad, sa.reshape(1).float(), bd, sb.reshape(1).float(), bias, split_sizes, out_dtype)
+    sa, sb = (sa.float(), sb.float()) if block else (sa.reshape(1).float(), sb.reshape(1).float())
+    return _fp8_grouped_mm_op(ad, sa, bd, sb, bias, split_sizes, out_dtype)
 
 
 def fp8_grouped_wgrad(a_t, b_t, split_sizes: torch.Tensor, out: Optional[torch.Tensor] = None,
@@ -265,19 +436,28 @@ def fp8_grouped_wgrad(a_t, b_t, split_sizes: torch.Tensor, out: Optional[torch.T
     ``a_t`` = (data [N, M], scale_inv), ``b_t`` = (data [K, M], scale_inv): the column-wise FP8
     copies of the output gradient and the input. ``out`` [G, N, K] (e.g. fp32 ``main_grad``) is
     written, or added into with ``accumulate``; None: a new [G, N, K] tensor in ``out_dtype``.
-    Groups with no rows give zeros (or leave ``out[g]`` untouched when accumulating)."""
+    Groups with no rows give zeros (or leave ``out[g]`` untouched when accumulating).
+    Block scaling: the copies are in :func:`pad_groups`' layout (data [N, Mp], [K, Mp]) with 1x128
+    scale_inv [N, Mp/128], [K, Mp/128] (their column-wise casts after padding)."""
     (ad, sa), (bd, sb) = a_t, b_t
     G = split_sizes.shape[0]
-    _check("fp8_grouped_wgrad", split_sizes, G, a_t, b_t)
     if ad.shape[1] != bd.shape[1]:
         raise ValueError(f"fp8_grouped_wgrad: a_t is {tuple(ad.shape)} but b_t is {tuple(bd.shape)} (M must agree)")
+    (N, M), K = ad.shape, bd.shape[0]
+    block = _check("fp8_grouped_wgrad", split_sizes, G, a_t, b_t,
+                   block_scales=((N, cdiv(M, 128)), (K, cdiv(M, 128))))
+    if block and M % 128:
+        raise ValueError(f"fp8_grouped_wgrad: block-scaled operands come in pad_groups' layout (rows a multiple of "
+                         f"128), got {M} rows")
     if out is None:
-        out = torch.empty((G, ad.shape[0], bd.shape[0]), dtype=out_dtype, device=ad.device)
+        out = torch.empty((G, N, K), dtype=out_dtype, device=ad.device)
         accumulate = False
     if not fp8_triton_ok(ad, bd):
         return fp8_grouped_wgrad_ref(a_t, b_t, split_sizes, out, accumulate)
-    _fp8_grouped_wgrad_op(ad, sa.reshape(1).float(), bd, sb.reshape(1).float(), split_sizes, out, accumulate)
+    sa, sb = (sa.float(), sb.float()) if block else (sa.reshape(1).float(), sb.reshape(1).float())
+    _fp8_grouped_wgrad_op(ad, sa, bd, sb, split_sizes, out, accumulate)
     return out
 
 
-__all__ = ["FP8_DTYPES", "fp8_triton_ok", "fp8_grouped_mm", "fp8_grouped_mm_ref", "fp8_grouped_wgrad", "fp8_grouped_wgrad_ref"]
+__all__ = ["FP8_DTYPES", "fp8_triton_ok", "fp8_grouped_mm", "fp8_grouped_mm_ref", "fp8_grouped_wgrad",
+           "fp8_grouped_wgrad_ref", "pad_groups", "padded_index", "padded_rows"]

@@ -14,8 +14,12 @@ Hopper's FP8 MMA reads:
   into ``main_grad`` under the gradient contract (delayed wgrad keeps those copies until
   ``backward_dw()``; a frozen weight keeps no copy of x).
 
-One scale per tensor (all experts' weights share one). Block scaling is not implemented for
-grouped linears: they run in high precision there (``explain()`` says so).
+Per-tensor recipes: one scale per tensor (all experts' weights share one). Block scaling
+(:class:`~fusible_ops.Float8BlockScaling`): x and dy in 1x128 tiles along K, each expert's weight
+in 128x128 blocks; the weight gradient reduces over tokens, so the column-wise copies of x and dy
+are cast after :func:`~fusible_ops.kernels.fp8_grouped_gemm.pad_groups` (every group starts on a
+multiple of 128 rows): no 1x128 tile spans two experts, no row is lost, the user's tensors are
+not padded. Feature sizes must be multiples of 128 there (any token count and split sizes).
 """
 
 from __future__ import annotations
@@ -25,16 +29,32 @@ from typing import Optional
 import torch
 
 from ..grad import deliver_weight_grad
-from ..kernels.fp8_grouped_gemm import fp8_grouped_mm, fp8_grouped_wgrad
+from ..kernels.fp8_grouped_gemm import fp8_grouped_mm, fp8_grouped_wgrad, pad_groups
 from ..kernels.grouped_gemm import grouped_bias_grad
 from ..quantization.casting import cached_weight, quantize
 from ..quantization.recipes import Float8BlockScaling, current_recipe
 
 
 def grouped_recipe():
-    """The active recipe if grouped linears run it in FP8 (per-tensor recipes), else None."""
-    recipe = current_recipe()
-    return None if recipe is None or isinstance(recipe, Float8BlockScaling) else recipe
+    """The active FP8 recipe (grouped linears run every recipe in FP8), or None."""
+    return current_recipe()
+
+
+def _colwise(x2d: torch.Tensor, splits: torch.Tensor, recipe, role: str, q, owner):
+    """The column-wise FP8 copy the weight gradient reads: from the cast ``q`` (per tensor), or a
+    cast of the group-padded layout (block scaling: 1x128 tiles inside one group)."""
+    if not isinstance(recipe, Float8BlockScaling):
+        return q.colwise
+    return quantize(pad_groups(x2d, splits), recipe, role, transposed=True, owner=owner).colwise
+
+
+def _check_block_dims(op, recipe) -> None:
+    if isinstance(recipe, Float8BlockScaling) and (op.in_features % 128 or op.out_features % 128):
+        raise ValueError(
+            f"{type(op).__name__}: FP8 block scaling needs in_features and out_features divisible by 128; got "
+            f"in_features={op.in_features}, out_features={op.out_features}. Pad the dims, or run this op outside "
+            f"fusible_ops.autocast (any token count works)."
+        )
 
 
 def fp8_grouped_forward(op, ctx, x2d: torch.Tensor, splits: torch.Tensor, recipe) -> torch.Tensor:
@@ -45,14 +65,16 @@ def fp8_grouped_forward(op, ctx, x2d: torch.Tensor, splits: torch.Tensor, recipe
     train = ctx.requires_grad
     wg = train and ctx.weight_requires_grad and w.requires_grad
     dg = train and ctx.input_requires_grad
-    xq = quantize(x2d, recipe, "input", transposed=wg, owner=owner)
+    _check_block_dims(op, recipe)
+    block = isinstance(recipe, Float8BlockScaling)
+    xq = quantize(x2d, recipe, "input", transposed=wg and not block, owner=owner)
     wq = cached_weight(owner, w, recipe, transposed=dg, grouped=True)
     y = fp8_grouped_mm(xq.rowwise, wq.rowwise, splits, x2d.dtype, op.bias)
     if train:
         ctx.weight_grad = wg
         ctx.bias_grad = op.bias is not None and op.bias.requires_grad
         ctx.fp8 = recipe
-        xt = xq.colwise if wg else (None, None)
+        xt = _colwise(x2d, splits, recipe, "input", xq, owner) if wg else (None, None)
         wt = wq.colwise if dg else (None, None)
         ctx.save_for_backward(*xt, *wt, splits)
     return y
@@ -63,11 +85,13 @@ def fp8_grouped_backward(op, ctx, dy2d: torch.Tensor) -> tuple:
     xt, xt_inv, wt, wt_inv, splits = ctx.saved_tensors
     wg = ctx.weight_grad
     w = op.weight
-    dyq = quantize(dy2d, ctx.fp8, "grad_output", transposed=wg, owner=op.param_owner("weight"))
+    owner = op.param_owner("weight")
+    block = isinstance(ctx.fp8, Float8BlockScaling)
+    dyq = quantize(dy2d, ctx.fp8, "grad_output", transposed=wg and not block, owner=owner)
     dx = fp8_grouped_mm(dyq.rowwise, (wt, wt_inv), splits, dy2d.dtype) if ctx.input_requires_grad else None
     dw: Optional[torch.Tensor] = None
     if wg:
-        dy_t = dyq.colwise
+        dy_t = _colwise(dy2d, splits, ctx.fp8, "grad_output", dyq, owner)
 
         def compute(out, acc):
             return fp8_grouped_wgrad(dy_t, (xt, xt_inv), splits, out=out, accumulate=acc, out_dtype=w.dtype)

@@ -219,20 +219,29 @@ def with_colwise(t: Float8Tensor) -> Float8Tensor:
 
 
 def _cast_weight(owner, weight: torch.Tensor, recipe, transposed: bool, grouped: bool) -> Float8Tensor:
-    """The weight's FP8 form. ``grouped`` (experts' weights [G, N, K], per-tensor scaling): the
-    row-wise bytes [G, N, K] and, with ``transposed``, the per-group transposed copy [G, K, N]
-    (what the input-gradient grouped GEMM reads K-major), both for all groups at once."""
+    """The weight's FP8 form. ``grouped`` (experts' weights [G, N, K]): the row-wise bytes
+    [G, N, K] and, with ``transposed``, the per-group transposed copy [G, K, N] (what the
+    input-gradient grouped GEMM reads K-major), both for all groups at once. Per-tensor scaling:
+    one scale_inv for all groups. Block scaling: 128x128 blocks of each group (N a multiple of 128,
+    so no block spans two experts), scale_inv [G, N/128, K/128] and, transposed, [G, K/128, N/128]."""
     with torch.no_grad():
         if not grouped:
             return quantize(weight.detach(), recipe, "weight", transposed=transposed, owner=owner)
-        if isinstance(recipe, Float8BlockScaling):
-            raise NotImplementedError("grouped FP8 weights: per-tensor recipes only")
-        wq = quantize(weight.detach(), recipe, "weight", owner=owner)
+        G, N, K = weight.shape
+        block = isinstance(recipe, Float8BlockScaling)
+        if block and N % 128:
+            raise ValueError(f"grouped FP8 weights under block scaling need out_features divisible by 128, got {N}")
+        wq = quantize(weight.detach().reshape(G * N, K), recipe, "weight", owner=owner)
         data, inv = wq.rowwise
         data = data.view(weight.shape)
         data_t = data.view(torch.uint8).transpose(1, 2).contiguous().view(data.dtype) if transposed else None
-        return Float8Tensor(data, inv, weight.dtype, weight.shape, scaling="tensor", data_t=data_t,
-                            scale_inv_t=inv if transposed else None, recipe=recipe)
+        if not block:
+            return Float8Tensor(data, inv, weight.dtype, weight.shape, scaling="tensor", data_t=data_t,
+                                scale_inv_t=inv if transposed else None, recipe=recipe)
+        inv = inv.view(G, N // 128, inv.shape[1])
+        inv_t = inv.transpose(1, 2).contiguous() if transposed else None
+        return Float8Tensor(data, inv, weight.dtype, weight.shape, scaling="128x128", data_t=data_t,
+                            scale_inv_t=inv_t, recipe=recipe)
 
 
 def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transposed: bool,

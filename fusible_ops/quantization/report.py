@@ -70,8 +70,10 @@ def fp8_lines(ops, recipe, producers=frozenset(), grad_producers=frozenset()) ->
             lines.append(f"  {name}: FP8 GEMMs; {src}; weight cast once per weight change (cache); {grad}{extra}")
         elif isinstance(op, GroupedLinear):
             if isinstance(recipe, Float8BlockScaling):
-                lines.append(f"  {name}: high precision (fallback): block-scaled FP8 grouped GEMMs are not "
-                             f"implemented yet")
+                lines.append(f"  {name}: block-scaled FP8 grouped GEMMs (1x128 tiles of input and output "
+                             f"gradient, 128x128 blocks of each expert's weight); the weight gradient's column-wise "
+                             f"copies are cast after padding every group to a multiple of 128 rows (no tile spans "
+                             f"two experts); weight cast once per weight change (cache)")
             else:
                 lines.append(f"  {name}: FP8 grouped GEMMs (one scale per tensor; all experts' weights share "
                              f"one); weight cast once per weight change (cache); inside the fused grouped MLP "

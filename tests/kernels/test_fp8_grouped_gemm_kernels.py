@@ -114,8 +114,90 @@ def test_bad_inputs_raise():
     a, b, _, split = _case(16, 8, 32, [8, 8])
     with pytest.raises(ValueError, match="K must agree"):
         F.fp8_grouped_mm(a, (b[0][:, :, :16], b[1]), split, torch.float32)
-    with pytest.raises(ValueError, match="per-tensor scaling only"):
+    with pytest.raises(ValueError, match="scale_inv shapes"):
         F.fp8_grouped_mm(a, (b[0], torch.ones(2)), split, torch.float32)
+    with pytest.raises(ValueError, match="scale_inv shapes"):  # block scales of the wrong shape
+        F.fp8_grouped_mm((a[0], torch.ones(16, 2)), (b[0], torch.ones(2, 1, 1)), split, torch.float32)
+
+
+# ---------------------------------------------------------------- block scaling (1x128 / 128x128)
+def _block_case(splits, N, Kd, seed=0):
+    """x [M, Kd], dy [M, N] (fp32, rows of very different magnitude per group), w [G, N, Kd]."""
+    g = torch.Generator().manual_seed(seed)
+    M, G = sum(splits), len(splits)
+    mag = torch.repeat_interleave(torch.logspace(-2, 2, G), torch.tensor(splits))[:, None]
+    return (torch.randn(M, Kd, generator=g) * mag, torch.randn(M, N, generator=g) * mag,
+            torch.randn(G, N, Kd, generator=g), torch.tensor(splits, dtype=torch.int64))
+
+
+def _blocks(x, **kw):
+    from fusible_ops.kernels.fp8_cast import cast_block_ref
+    return cast_block_ref(x, **kw)
+
+
+def _deq64_block(data, inv, square=False):
+    s = inv.double().repeat_interleave(128, dim=-1)[..., : data.shape[-1]]
+    if square:
+        s = s.repeat_interleave(128, dim=-2)[..., : data.shape[-2], :]
+    return data.double() * s
+
+
+BLOCK_SPLITS = [[5, 0, 130, 17], [0, 0, 300, 0], [129, 1, 127, 0, 3]]
+
+
+@pytest.mark.parametrize("splits", BLOCK_SPLITS)
+def test_padded_layout_loses_no_row(splits):
+    x = torch.arange(sum(splits), dtype=torch.float32)[:, None].expand(-1, 3).contiguous() + 1
+    split = torch.tensor(splits)
+    p = F.pad_groups(x, split)
+    assert p.shape == (F.padded_rows(x.shape[0], len(splits)), 3) and p.shape[0] % 128 == 0
+    idx = F.padded_index(split, x.shape[0])
+    assert torch.equal(p[idx], x) and int((p != 0).any(1).sum()) == x.shape[0]  # every row once, zeros elsewhere
+    starts = (torch.cumsum((split + 127) // 128 * 128, 0) - (split + 127) // 128 * 128)
+    assert torch.equal(idx[torch.cumsum(split, 0)[split > 0] - split[split > 0]], starts[split > 0])
+    assert bool((starts % 128 == 0).all())
+
+
+@pytest.mark.parametrize("carrier", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", BLOCK_SPLITS)
+def test_interpreter_block_scaled_mm_and_wgrad(carrier, splits, monkeypatch):
+    """Block-scaled kernels (interpreter, carriers of the FP8 values) vs float64 on the same FP8
+    operands; the weight gradient's 1x128 tiles never span two groups (groups of 1e-2..1e2
+    magnitude side by side keep their own scales)."""
+    N, Kd = 144, 136  # partial 128-blocks in both dims
+    x, dy, w, split = _block_case(splits, N, Kd)
+    G = len(splits)
+    xq, xs, _, _ = _blocks(x, square=False)
+    per_group = [_blocks(w[g], square=True) for g in range(G)]  # 128x128 blocks inside each group
+    wq, ws = torch.stack([p[0] for p in per_group]), torch.stack([p[1] for p in per_group])
+    spy = _spy(monkeypatch)
+    with K.use("triton"):
+        y = F.fp8_grouped_mm((xq.to(carrier), xs), (wq.to(carrier), ws), split, torch.float32)
+    gid = _gid(split)
+    y64 = torch.einsum("mk,mnk->mn", _deq64_block(xq, xs), _deq64_block(wq, ws, square=True)[gid])
+    assert_close_norm(y, y64, torch.float32)
+    _, _, dyt, dyts = _blocks(F.pad_groups(dy, split), square=False, transposed=True)
+    _, _, xt, xts = _blocks(F.pad_groups(x, split), square=False, transposed=True)
+    main = torch.randn(G, N, Kd)
+    before = main.clone()
+    with K.use("triton"):
+        F.fp8_grouped_wgrad((dyt.to(carrier), dyts), (xt.to(carrier), xts), split, out=main, accumulate=True)
+    assert spy == ["mm", "wgrad"]
+    rows = F.padded_index(split, x.shape[0])
+    a64, b64 = _deq64_block(dyt, dyts)[:, rows], _deq64_block(xt, xts)[:, rows]
+    want = torch.zeros(G, N, Kd, dtype=torch.float64).index_add_(0, gid, a64.t()[:, :, None] * b64.t()[:, None, :])
+    assert_close_norm(main, before.double() + want, torch.float32)
+    empty = [g for g, s in enumerate(splits) if s == 0]
+    assert torch.equal(main[empty], before[empty])
+    # the refs agree with the kernels on the same operands
+    ref = F.fp8_grouped_wgrad_ref((dyt, dyts), (xt, xts), split)
+    assert_close_norm(ref, want, torch.float32)
+    # each group's tiles are its own: the small-magnitude group is quantized as finely as alone
+    for g in range(G):
+        if splits[g]:
+            sel = rows[gid == g]
+            alone = _blocks(x[gid == g].t().contiguous(), square=False)[1]  # 1x128 along its own rows
+            assert torch.equal(xts[:, sel.min() // 128: sel.min() // 128 + alone.shape[1]], alone)
 
 
 # ---------------------------------------------------------------- GPU
@@ -209,3 +291,42 @@ def test_interpreter_glu_fwd_and_dglu_fp8(kind, splits, monkeypatch):
     (dh64,) = torch.autograd.grad(_glu64(hr, kind), hr, gr)
     assert_close_norm(dh, dh64, torch.float32)
     assert amax2.item() == dh.abs().max().item()
+
+
+@gpu
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "ptr"])
+@pytest.mark.parametrize("splits", [[100, 0, 333, 7, 200], [0, 640, 0, 0, 0], [1, 1, 1, 1, 636]])
+def test_gpu_block_scaled_mm_and_wgrad(tma, splits, monkeypatch):
+    """Block-scaled kernels on real e4m3 against float64 on the same FP8 operands."""
+    _skip_without_fp8()
+    if not tma:
+        monkeypatch.setenv("FUSIBLE_OPS_GGEMM_TMA", "0")
+    N, Kd = 256, 384
+    x, dy, w, split = _block_case(splits, N, Kd, seed=1)
+    G = len(splits)
+    xq, xs, _, _ = _blocks(x, square=False)
+    per_group = [_blocks(w[g], square=True) for g in range(G)]
+    wq, ws = torch.stack([p[0] for p in per_group]), torch.stack([p[1] for p in per_group])
+    wt = (wq.view(torch.uint8).transpose(1, 2).contiguous().view(wq.dtype), ws.transpose(1, 2).contiguous())
+    dyq, dys, _, _ = _blocks(dy, square=False)
+    _, _, dyt, dyts = _blocks(F.pad_groups(dy, split), square=False, transposed=True)
+    _, _, xt, xts = _blocks(F.pad_groups(x, split), square=False, transposed=True)
+    c = [t.cuda() for t in (xq, xs, wq, ws, dyq, dys, *wt, dyt, dyts, xt, xts, split)]
+    xq_, xs_, wq_, ws_, dyq_, dys_, wt_, wts_, dyt_, dyts_, xt_, xts_, s_ = c
+    gid = _gid(split)
+    y = F.fp8_grouped_mm((xq_, xs_), (wq_, ws_), s_, torch.float32)
+    y64 = torch.einsum("mk,mnk->mn", _deq64_block(xq, xs), _deq64_block(wq, ws, square=True)[gid])
+    assert_sqnr(y.cpu(), y64, KERNEL_DB, msg="forward")
+    dx = F.fp8_grouped_mm((dyq_, dys_), (wt_, wts_), s_, torch.float32)
+    dx64 = torch.einsum("mn,mnk->mk", _deq64_block(dyq, dys), _deq64_block(wq, ws, square=True)[gid])
+    assert_sqnr(dx.cpu(), dx64, KERNEL_DB, msg="dgrad")
+    main = torch.randn(G, N, Kd, device="cuda")
+    before = main.clone()
+    F.fp8_grouped_wgrad((dyt_, dyts_), (xt_, xts_), s_, out=main, accumulate=True)
+    rows = F.padded_index(split, x.shape[0])
+    a64, b64 = _deq64_block(dyt, dyts)[:, rows], _deq64_block(xt, xts)[:, rows]
+    want = torch.zeros(G, N, Kd, dtype=torch.float64).index_add_(0, gid, a64.t()[:, :, None] * b64.t()[:, None, :])
+    live = [g for g, m in enumerate(splits) if m]
+    assert_sqnr((main - before).cpu()[live], want[live], KERNEL_DB, msg="wgrad")
+    empty = [g for g, m in enumerate(splits) if m == 0]
+    assert torch.equal(main[empty], before[empty])
