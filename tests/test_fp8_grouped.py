@@ -157,9 +157,9 @@ def test_main_grad_delayed_and_frozen(recipe):
     calls = []
     real = Q.cast_tensor
 
-    def spy(x, scale, dtype, transposed=False, amax=None):
+    def spy(x, scale, dtype, transposed=False, amax=None, **kw):
         calls.append(transposed)
-        return real(x, scale, dtype, transposed, amax)
+        return real(x, scale, dtype, transposed, amax, **kw)
 
     mp = pytest.MonkeyPatch()
     mp.setattr(Q, "cast_tensor", spy)  # every per-tensor cast: standalone and after a producer's amax

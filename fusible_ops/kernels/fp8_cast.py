@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from . import HAS_TRITON, interpreter_enabled, use_triton
-from .launch import TRITON_DTYPES, cdiv
+from .launch import TRITON_DTYPES, DirectKernel, cdiv, generic_key
 
 FP32_MAX = torch.finfo(torch.float32).max
 BLOCK = 128  # the block recipe's tile edge
@@ -106,9 +106,12 @@ if HAS_TRITON:
     @triton.jit
     def _cast_tensor_kernel(
         X, SCALE, Q, QT, AMAX,  # X [M, N] (row stride stride_x), SCALE fp32 [1], Q [M, N], QT [N, M], AMAX fp32 [1]
+        INV,  # fp32 [1]: 1 / scale, written by program (0, 0) (or a dummy without HAS_INV)
         M, N, stride_x,
         FMAX: tl.constexpr, HAS_T: tl.constexpr, HAS_AMAX: tl.constexpr, SOFT_ROUND: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        FROM_AMAX: tl.constexpr = False,  # SCALE holds an amax: scale = FMAX / amax (current scaling)
+        HAS_INV: tl.constexpr = False,
     ):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -117,6 +120,11 @@ if HAS_TRITON:
         c64 = cols.to(tl.int64)
         x = tl.load(X + r64[:, None] * stride_x + c64[None, :], mask=mask, other=0.0).to(tl.float32)
         scale = tl.load(SCALE)
+        if FROM_AMAX:
+            scale = _scale_of(scale, FMAX, False)
+        if HAS_INV:
+            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+                tl.store(INV, _inv(scale))
         q = _to_fp8(x, scale, FMAX, Q.dtype.element_ty, SOFT_ROUND)
         tl.store(Q + r64[:, None] * N + c64[None, :], q, mask=mask)
         if HAS_T:
@@ -127,6 +135,29 @@ if HAS_TRITON:
     @triton.jit
     def _inv(scale):
         return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+    @triton.jit
+    def _delayed_update_kernel(HIST, SCALE, AMAX, L, r, s_h,
+                               FMAX: tl.constexpr, MAX_ALGO: tl.constexpr, WEIGHT: tl.constexpr,
+                               BLOCK_L: tl.constexpr):
+        # One role's delayed-scaling step on HIST [L, *] (column r, row stride s_h) and SCALE[r]:
+        # the new scale (WEIGHT: from AMAX, this cast's own amax; else from the history's max
+        # (MAX_ALGO) or newest entry, kept where that is 0), then the column rolled down by one with
+        # a new newest entry (WEIGHT: AMAX; else 0, for the cast to raise). One program.
+        i = tl.arange(0, BLOCK_L)
+        live = i < L
+        col = tl.load(HIST + i * s_h + r, mask=live, other=0.0)
+        if WEIGHT:
+            amax = tl.load(AMAX)
+            tl.store(SCALE + r, _scale_of(amax, FMAX, False))
+            first = amax
+        else:
+            amax = tl.max(col, 0) if MAX_ALGO else tl.load(HIST + r)
+            tl.store(SCALE + r, tl.where(amax > 0.0, _scale_of(amax, FMAX, False), tl.load(SCALE + r)))
+            first = 0.0
+        tl.debug_barrier()  # every entry read before any is overwritten
+        tl.store(HIST + (i + 1) * s_h + r, col, mask=(i + 1) < L)
+        tl.store(HIST + r, first)
 
     @triton.jit
     def _load_chunk(X, rows, r64, bn, c, M, N, stride_x, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
@@ -236,11 +267,21 @@ def _to_fp8_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     return torch.clamp(x.float() * scale, -fmax, fmax).to(dtype)
 
 
+def _scale_out_ref(scale: torch.Tensor, dtype: torch.dtype, from_amax: bool, inv: Optional[torch.Tensor]):
+    """The scale a per-tensor cast uses (from an amax with ``from_amax``); ``inv`` gets 1 / scale."""
+    if from_amax:
+        scale = scale_from_amax_ref(scale, _FMAX[dtype])
+    if inv is not None:
+        inv.copy_((1.0 / scale).reshape(inv.shape))
+    return scale
+
+
 def cast_tensor_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False,
-                    amax: Optional[torch.Tensor] = None):
+                    amax: Optional[torch.Tensor] = None, from_amax: bool = False, inv: Optional[torch.Tensor] = None):
     """Per-tensor cast of ``x`` [..., K] (as [M, K]) with the fp32 device scalar ``scale``:
     returns ``(q [M, K], qt [K, M] or None)``; ``amax`` (fp32 [1], optional) becomes
-    ``max(amax, max|x|)`` in place."""
+    ``max(amax, max|x|)`` in place; ``from_amax`` and ``inv`` as in :func:`cast_tensor`."""
+    scale = _scale_out_ref(scale, dtype, from_amax, inv)
     x2 = _rows(x)
     q = _fresh(_to_fp8_ref(x2, scale.reshape(()), dtype))
     if amax is not None and x2.numel():
@@ -298,17 +339,23 @@ def cast_block_ref(x: torch.Tensor, square: bool, pow2: bool = False, transposed
 
 # ---- launchers
 
+_CAST_TENSOR = DirectKernel(_cast_tensor_kernel) if HAS_TRITON else None
+_DELAYED_UPDATE = DirectKernel(_delayed_update_kernel) if HAS_TRITON else None
 
-def _cast_tensor_launch(x2, scale, dtype, transposed, amax):
+
+def _cast_tensor_launch(x2, scale, dtype, transposed, amax, from_amax=False, inv=None):
     m, k = x2.shape
     q = torch.empty(m, k, dtype=dtype, device=x2.device)
     qt = torch.empty(k, m, dtype=dtype, device=x2.device) if transposed else None
     if m and k:
         bm, bn, warps = TENSOR_CFG[transposed]
-        _cast_tensor_kernel[(cdiv(m, bm), cdiv(k, bn))](
-            x2, scale, q, qt if qt is not None else q, amax if amax is not None else scale, m, k, x2.stride(0),
-            FMAX=_FMAX[dtype], HAS_T=transposed, HAS_AMAX=amax is not None, SOFT_ROUND=interpreter_enabled(), BLOCK_M=bm, BLOCK_N=bn,
-            num_warps=warps)
+        args = (x2, scale, q, qt if qt is not None else q, amax if amax is not None else scale,
+                inv if inv is not None else scale, m, k, x2.stride(0))
+        meta = dict(FMAX=_FMAX[dtype], HAS_T=transposed, HAS_AMAX=amax is not None, SOFT_ROUND=interpreter_enabled(),
+                    BLOCK_M=bm, BLOCK_N=bn, FROM_AMAX=from_amax, HAS_INV=inv is not None, num_warps=warps)
+        _CAST_TENSOR((cdiv(m, bm), cdiv(k, bn)), generic_key(args, meta), args, meta)
+    elif inv is not None:  # nothing to cast: the scale still comes out
+        _scale_out_ref(scale, dtype, from_amax, inv)
     return q, qt
 
 
@@ -340,13 +387,48 @@ def _dispatch(name, dtype, x, launch, ref, *args):
 
 
 def cast_tensor(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False,
-                amax: Optional[torch.Tensor] = None):
+                amax: Optional[torch.Tensor] = None, *, from_amax: bool = False,
+                inv: Optional[torch.Tensor] = None):
     """Per-tensor FP8 cast in one pass. Args: ``x`` [..., K] fp32/fp16/bf16 (any strides; seen as
     [M, K]); ``scale`` fp32 one-element device tensor (read on the device: no host sync);
     ``dtype`` ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``; ``transposed``: also write the
     [K, M] copy in the same pass; ``amax`` fp32 [1] or None: raised in place to ``max|x|``.
-    Returns ``(q [M, K], qt [K, M] or None)``."""
-    return _dispatch("cast_tensor", dtype, x, _cast_tensor_launch, cast_tensor_ref, scale, dtype, transposed, amax)
+    ``from_amax``: ``scale`` holds an amax and the kernel derives the scale itself
+    (:func:`scale_from_amax_ref`, current scaling: no separate scale computation). ``inv``: fp32
+    [1] written with ``1 / scale`` (the ``scale_inv`` a GEMM reads). Returns ``(q [M, K],
+    qt [K, M] or None)``."""
+    return _dispatch("cast_tensor", dtype, x, _cast_tensor_launch, cast_tensor_ref, scale, dtype, transposed, amax,
+                     from_amax, inv)
+
+
+def delayed_update(hist: torch.Tensor, scale: torch.Tensor, r: int, fmax: float, max_algo: bool,
+                   amax: Optional[torch.Tensor] = None) -> None:
+    """One delayed-scaling step of role column ``r`` in place, in one launch (no host sync):
+    ``scale[r]`` from ``amax`` (fp32 [1], a weight's current amax) or else from the history's max
+    (``max_algo``) or newest entry (unchanged where that is 0), via :func:`scale_from_amax_ref` with
+    ``fmax``; then ``hist[:, r]`` rolled down by one with a new newest entry (``amax``, or 0)."""
+    L = hist.shape[0]
+    if HAS_TRITON and use_triton(hist):
+        args = (hist, scale, amax if amax is not None else scale, L, r, hist.stride(0))
+        meta = dict(FMAX=float(fmax), MAX_ALGO=bool(max_algo), WEIGHT=amax is not None,
+                    BLOCK_L=max(16, 1 << (L - 1).bit_length()), num_warps=4)
+        _DELAYED_UPDATE((1,), generic_key(args, meta), args, meta)
+        return
+    delayed_update_ref(hist, scale, r, fmax, max_algo, amax)
+
+
+def delayed_update_ref(hist, scale, r, fmax, max_algo, amax=None) -> None:
+    """Pure-torch twin of :func:`delayed_update`."""
+    col = hist[:, r]
+    if amax is not None:
+        scale[r : r + 1].copy_(scale_from_amax_ref(amax, fmax))
+        first = amax
+    else:
+        a = col.amax() if max_algo else col[0]
+        scale[r : r + 1].copy_(torch.where(a > 0, scale_from_amax_ref(a, fmax), scale[r]).reshape(1))
+        first = torch.zeros_like(col[0:1])
+    col.copy_(torch.roll(col, 1))
+    col[0:1].copy_(first)
 
 
 def cast_block(x: torch.Tensor, square: bool, pow2: bool = False, transposed: bool = False,
@@ -373,4 +455,4 @@ def fp8_epilogue_ref(y: torch.Tensor, amax: torch.Tensor, scale: Optional[torch.
 
 
 __all__ = ["BLOCK", "FP8_MAX_OF", "fp8_epilogue_ref", "block_scale_buffers", "cast_block", "cast_block_ref", "cast_tensor", "cast_tensor_ref",
-           "scale_from_amax_ref", "tensor_amax"]
+           "scale_from_amax_ref", "tensor_amax", "delayed_update", "delayed_update_ref"]

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels.fp8_cast import cast_block, cast_tensor, scale_from_amax_ref, tensor_amax
+from ..kernels.fp8_cast import cast_block, cast_tensor, delayed_update, tensor_amax
 from .recipes import (FP8_MAX, ROLES, Float8BlockScaling, Float8CurrentScaling, Float8DelayedScaling,
                       amax_reduction_group, fp8_dtype)
 from .tensor import Float8Tensor
@@ -64,22 +64,14 @@ def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, x: torch.Tens
     (still recorded in the history)."""
     hist, scale = delayed_state(owner, recipe, x.device)
     r = _ROLE_INDEX[role]
-    col = hist[:, r]
     fmax = FP8_MAX[fp8_dtype(recipe, role)] / (2.0 ** recipe.margin)
     if role == "weight":
-        amax = tensor_amax(x)
-        scale[r : r + 1].copy_(scale_from_amax_ref(amax, fmax))
-        col.copy_(torch.roll(col, 1))
-        col[0:1].copy_(amax)
+        delayed_update(hist, scale, r, fmax, True, tensor_amax(x))
         return scale[r : r + 1], None
     group = amax_reduction_group()
     if group is not None:
         torch.distributed.all_reduce(hist[0:1, r], op=torch.distributed.ReduceOp.MAX, group=group)
-    amax = col.amax() if recipe.amax_compute_algo == "max" else col[0]
-    new = torch.where(amax > 0, scale_from_amax_ref(amax, fmax), scale[r])
-    scale[r : r + 1].copy_(new.reshape(1))
-    col.copy_(torch.roll(col, 1))
-    col[0:1].zero_()
+    delayed_update(hist, scale, r, fmax, recipe.amax_compute_algo == "max")  # one launch
     return scale[r : r + 1], hist[0:1, r]
 
 
@@ -139,22 +131,22 @@ class InputQuantizer:
             return self(run())
         dtype = fp8_dtype(self.recipe, self.role)
         colwise = self.need_colwise()
+        inv = torch.empty(1, dtype=torch.float32, device=like.device)
         if mode == "amax":
             amax = torch.zeros(1, dtype=torch.float32, device=like.device)
             y = run(amax=amax)
-            scale = scale_from_amax_ref(amax, FP8_MAX[dtype])
-            q, qt = cast_tensor(y, scale, dtype, colwise)
-            return self._wrap(y.dtype, y.shape, q, qt, scale)
+            q, qt = cast_tensor(y, amax, dtype, colwise, from_amax=True, inv=inv)  # the scale: in the cast kernel
+            return self._wrap(y.dtype, y.shape, q, qt, inv)
         scale, entry = _delayed_scale(self.owner, self.recipe, self.role, like)
         if colwise or not direct:  # both layouts: the producer's pass records the amax, one cast + transpose pass
             y = run(amax=entry)
-            q, qt = cast_tensor(y, scale, dtype, colwise)
-            return self._wrap(y.dtype, y.shape, q, qt, scale)
+            q, qt = cast_tensor(y, scale, dtype, colwise, inv=inv)
+            return self._wrap(y.dtype, y.shape, q, qt, inv)
         q, qt = run(amax=entry, scale=scale, fp8_dtype=dtype), None
-        return self._wrap(like.dtype, (*like.shape[:-1], q.shape[-1]), q, qt, scale)
+        return self._wrap(like.dtype, (*like.shape[:-1], q.shape[-1]), q, qt, 1.0 / scale)
 
-    def _wrap(self, dtype, shape, q, qt, scale) -> Float8Tensor:
-        inv = (1.0 / scale).reshape(())
+    def _wrap(self, dtype, shape, q, qt, inv) -> Float8Tensor:
+        inv = inv.reshape(())
         return Float8Tensor(q, inv, dtype, shape, scaling="tensor", data_t=qt,
                             scale_inv_t=inv if qt is not None else None, recipe=self.recipe)
 
@@ -187,16 +179,17 @@ def quantize(x: torch.Tensor, recipe, role: str, *, transposed: bool = False,
         scaling = "128x128" if role == "weight" else "1x128"
         return Float8Tensor(q, s, x.dtype, x.shape, scaling=scaling, data_t=qt, scale_inv_t=st, recipe=recipe)
     dtype = fp8_dtype(recipe, role)
-    if isinstance(recipe, Float8CurrentScaling):
-        scale, amax_out = scale_from_amax_ref(tensor_amax(x), FP8_MAX[dtype]), None
+    inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    if isinstance(recipe, Float8CurrentScaling):  # the cast kernel derives the scale from the amax
+        q, qt = cast_tensor(x, tensor_amax(x), dtype, transposed, from_amax=True, inv=inv)
     elif isinstance(recipe, Float8DelayedScaling):
         if owner is None:
             raise ValueError("quantize: Float8DelayedScaling needs owner= (the module holding the amax history)")
         scale, amax_out = _delayed_scale(owner, recipe, role, x)
+        q, qt = cast_tensor(x, scale, dtype, transposed, amax_out, inv=inv)
     else:
         raise TypeError(f"quantize: unknown recipe {recipe!r}")
-    q, qt = cast_tensor(x, scale, dtype, transposed, amax_out)
-    inv = (1.0 / scale).reshape(())
+    inv = inv.reshape(())
     return Float8Tensor(q, inv, x.dtype, x.shape, scaling="tensor", data_t=qt, scale_inv_t=inv if transposed else None,
                         recipe=recipe)
 

@@ -71,6 +71,14 @@ def _check_tensor(x, dtype, transposed=True, use_amax=True):
         assert torch.equal(_bytes(qt1), _bytes(q1.t()))
     if use_amax:
         assert torch.equal(am_k, am_r)
+    # current scaling: the kernel derives the scale from the amax and writes scale_inv itself
+    amax = C.tensor_amax(x)
+    inv_k, inv_r = torch.full((1,), -1.0, device=x.device), torch.full((1,), -1.0, device=x.device)
+    with kernels.use("triton"):
+        q3, qt3 = C.cast_tensor(x, amax, dtype, transposed, from_amax=True, inv=inv_k)
+    q4, qt4 = C.cast_tensor_ref(x, amax, dtype, transposed, from_amax=True, inv=inv_r)
+    assert torch.equal(_bytes(q3), _bytes(q1)) and torch.equal(_bytes(q4), _bytes(q1))
+    assert torch.equal(inv_k, inv_r) and torch.equal(inv_k, (1.0 / scale).reshape(1))
 
 
 def _check_block(x, square, pow2, transposed=True):
@@ -251,3 +259,26 @@ def test_activation_backward_amax(kind, gated, device):
             dz2, db2 = A.bias_act_bwd_amax(dy, x, b, kind, True, amax=amax)
             assert torch.equal(dz2, dz) and torch.equal(db2, db), mode
             assert torch.equal(amax, C.tensor_amax(dz)), mode
+
+
+@pytest.mark.parametrize("weight", [False, True])
+@pytest.mark.parametrize("max_algo", [True, False])
+@pytest.mark.parametrize("L", [1, 5, 1024])
+def test_delayed_update_kernel_matches_ref(weight, max_algo, L):
+    """The one-launch delayed-scaling step equals its torch twin bit for bit: scale from the
+    history (or a weight's amax; a zero amax keeps the old scale), the column rolled down."""
+    g = torch.Generator().manual_seed(L)
+    hist = torch.rand(L, 3, generator=g) * 10
+    hist[:, 2] = 0.0  # a role whose history is all zeros: its scale stays
+    scale = torch.rand(3, generator=g) + 0.5
+    for r in range(3):
+        amax = torch.rand(1, generator=g) * 7 if weight else None
+        h1, s1, h2, s2 = hist.clone(), scale.clone(), hist.clone(), scale.clone()
+        with kernels.use("triton"):
+            C.delayed_update(h1, s1, r, 448.0 / 2, max_algo, amax)
+        C.delayed_update_ref(h2, s2, r, 448.0 / 2, max_algo, amax)
+        assert torch.equal(h1, h2) and torch.equal(s1, s2)
+        assert torch.equal(h1[1:, r], hist[:-1, r]) and torch.equal(torch.cat([h1[:, :r], h1[:, r + 1:]], 1),
+                                                                    torch.cat([hist[:, :r], hist[:, r + 1:]], 1))
+        if not weight and r == 2:
+            assert torch.equal(s1[2], scale[2])
