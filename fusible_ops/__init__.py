@@ -12,24 +12,29 @@ from .grad import delayed_wgrad, flush_wgrad
 from .graphs import make_graphed_callables
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
 from .ops import (
-    GEGLU, GELU, AddExtraInput, BasicLinear, Bias, ConstantScale, Dropout, GroupedLinear, Identity, LayerNorm,
-    Linear, MakeExtraOutput, Quantize, ReGLU, ReLU, Reshape, RMSNorm, ScaledSwiGLU, SiLU, SwiGLU,
+    GEGLU, GELU, AddExtraInput, AllGather, AllReduce, AllReduceGrad, BasicLinear, Bias, ConstantScale, Dropout,
+    GroupedLinear, Identity, LayerNorm,
+    Linear, MakeExtraOutput, Quantize, ReduceScatter, ReGLU, ReLU, Reshape, RMSNorm, ScaledSwiGLU, SiLU, SwiGLU,
+    Combine, Dispatch, Router,  # MoE routing (ops/moe.py)
 )
 from . import quantization
 from .quantization import Float8BlockScaling, Float8CurrentScaling, Float8DelayedScaling, Float8Tensor, autocast
 from .rules import FusionContext, RuleSet, match, register_fusion
 from .sequential import Sequential
 from . import fusion_rules, rules  # noqa: E402
+from . import parallel  # noqa: E402
 
 rules.install_builtin(fusion_rules.BUILTIN_RULES)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AddExtraInput", "BasicLinear", "Float8BlockScaling", "Float8CurrentScaling", "Float8DelayedScaling",
+    "AddExtraInput", "AllGather", "AllReduce", "AllReduceGrad", "BasicLinear", "Float8BlockScaling",
+    "Float8CurrentScaling", "Float8DelayedScaling",
     "Float8Tensor", "Quantize", "autocast", "quantization", "BasicOperation", "Bias", "ConstantScale", "Dropout", "FusedOperation",
     "FusibleOperation", "FusionContext", "GEGLU", "GELU", "GroupedLinear", "Identity", "LayerNorm", "Linear",
-    "MakeExtraOutput", "OperationContext", "OperationFuser", "ReGLU", "ReLU", "Reshape", "RMSNorm", "RuleSet",
+    "MakeExtraOutput", "OperationContext", "OperationFuser", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "RMSNorm", "RuleSet",
     "ScaledSwiGLU", "SiLU", "Sequential", "SwiGLU", "check_errors", "delayed_wgrad", "device_checks", "flush_wgrad", "fusion_rules", "kernels", "make_graphed_callables",
-    "match", "register_fusion", "set_device_checks",
+    "match", "parallel", "register_fusion", "set_device_checks",
+    "Combine", "Dispatch", "Router",
 ]

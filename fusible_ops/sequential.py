@@ -45,6 +45,47 @@ class _Alone:
         return self.module(x, *extra_inputs)
 
 
+def _built(make, idx: list, seq: "Sequential"):
+    """``make()`` (a stage over modules ``idx``); a MoE routing error names the modules and what
+    ended the fuser (hooks, a non-fusible module) instead of only the fuser's op positions."""
+    from .ops.moe import RoutingError
+
+    try:
+        return make()
+    except RoutingError as e:
+        mods = list(seq._modules.values())
+        names = ", ".join(f"[{i}] {type(mods[i]).__name__}" for i in idx)
+        ends = [j for j in (idx[0] - 1, idx[-1] + 1) if 0 <= j < len(mods)]
+        why = []
+        for j in ends:
+            m = mods[j]
+            if _basic_ops_of(m) is None:
+                why.append(f"module [{j}] {type(m).__name__} is not a fusible op")
+            elif _has_hooks(m) or _global_hooks():
+                why.append(f"module [{j}] {type(m).__name__} has hooks (it runs on its own)")
+        if _basic_ops_of(mods[idx[0]]) is not None and len(idx) == 1 and (_has_hooks(mods[idx[0]]) or _global_hooks()):
+            why.append(f"module [{idx[0]}] {type(mods[idx[0]]).__name__} has hooks (it runs on its own)")
+        detail = f" ({'; '.join(why)})" if why else ""
+        raise RoutingError(f"{e}. In this Sequential the fuser holds modules {names}{detail}") from None
+
+
+def _routing_lines(fuser: OperationFuser, offset: int) -> list[str]:
+    """explain(): how MoE routing flows through a fuser's ops (none for other fusers)."""
+    layout = fuser._routing
+    if layout is None:
+        return []
+    lines = []
+    for r, (experts, top_k) in enumerate(layout.layers):
+        parts = []
+        for i, op in enumerate(fuser.ops):
+            if layout.region[i] == r and (layout.feeds[i] or getattr(op, "routing_role", None)):
+                what = "routed " if layout.feeds[i] else ""
+                parts.append(f"{what}{type(op).__name__} [{i + offset}]")
+        lines.append(f"MoE routing ({experts} experts, top_k={top_k}): " + " -> ".join(parts)
+                     + "; routed ops take the split sizes from the routing, on the device (no host sync)")
+    return lines
+
+
 class Sequential(torch.nn.Module):
     """Runs modules in order; consecutive fusible ops run as one fused
     :class:`~fusible_ops.fuser.OperationFuser`, other modules run as-is between fusers.
@@ -155,7 +196,8 @@ class Sequential(torch.nn.Module):
 
             def close_run():
                 if run:
-                    stages.append((OperationFuser(list(run), rules=self.rules), list(run_idx)))
+                    stages.append((_built(lambda: OperationFuser(list(run), rules=self.rules), run_idx, self),
+                                   list(run_idx)))
                     run.clear()
                     run_idx.clear()
 
@@ -163,7 +205,7 @@ class Sequential(torch.nn.Module):
                 basic = _basic_ops_of(m)
                 if basic is None or has_hooks:
                     close_run()
-                    stages.append((_Alone(m) if basic is not None else m, [i]))
+                    stages.append((_built(lambda: _Alone(m), [i], self) if basic is not None else m, [i]))
                 else:
                     run.extend(basic)
                     run_idx.append(i)
@@ -278,6 +320,8 @@ class Sequential(torch.nn.Module):
             if isinstance(stage, _Alone):
                 lines.append(f"module [{idx[0]}] {type(stage.module).__name__} has hooks: runs on its own "
                              f"(a fusion boundary), so its hooks see its inputs and outputs")
+        for fuser, _, offset in plans:
+            lines.extend(_routing_lines(fuser, offset))
         for pass_ in ("forward", "backward"):
             lines.append(f"{pass_} plan:")
             for _, plan, offset in plans:

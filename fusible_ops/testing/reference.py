@@ -13,6 +13,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
+from ..ops.moe import record_routing
 from .tolerances import BASELINE_ATOL, BASELINE_FACTOR, BASELINE_SAMPLES, TOLERANCES
 
 __all__ = [
@@ -183,7 +184,8 @@ def _missing_message(missing) -> str:
     )
 
 
-def run_reference(seq, *inputs, unchecked_ops: Union[None, str, type, Iterable[type]] = None, _boundary=None):
+def run_reference(seq, *inputs, unchecked_ops: Union[None, str, type, Iterable[type]] = None, _boundary=None,
+                  _routing=None):
     """Run ``seq``'s math by plain autograd: each basic op's ``reference_forward(x, *extras)`` in
     order (its share of the extra inputs, ``op.num_extra_inputs``), other torch modules called
     as they are. Returns ``y`` or ``(y, *extra_outputs)`` like ``Sequential``.
@@ -194,7 +196,9 @@ def run_reference(seq, *inputs, unchecked_ops: Union[None, str, type, Iterable[t
     runs its own forward/backward (alone, unfused).
 
     ``_boundary`` (internal): applied to the input, every extra input and every op's outputs
-    (models rounding at op boundaries).
+    (models rounding at op boundaries). ``_routing`` (internal): ``(expert ids per MoE layer,
+    (rtol, atol))`` recorded from a run: each Router uses those ids (checked to be a top-k of its
+    own scores within the tolerance) instead of choosing again.
     """
     from ..fuser import OperationFuser
     from ..op import FusibleOperation
@@ -207,17 +211,28 @@ def run_reference(seq, *inputs, unchecked_ops: Union[None, str, type, Iterable[t
     bd = _boundary if _boundary is not None else (lambda t: t)
     x, extras = bd(inputs[0]), list(inputs[1:])
     extra_outputs = []
+    layout, routings, k = _layout_of(seq)
+    if _routing is not None and len(_routing[0]) == len(routings):
+        for routing, ids in zip(routings, _routing[0]):
+            routing.expert_ids, routing.selection_tol = ids, _routing[1]
     for module in _modules_of(seq):
         if not isinstance(module, FusibleOperation):
             x = bd(module(x))
             continue
         for op in module.basic_ops:
-            n = op.num_extra_inputs
+            region, feeds = (None, ()) if layout is None else (layout.region[k], layout.feeds[k])
+            k += 1
+            n = 0 if feeds else op.num_extra_inputs
             if len(extras) < n:
                 raise TypeError(f"{type(op).__name__} needs {n} extra input(s); too few extra inputs given")
             mine, extras = [bd(e) for e in extras[:n]], extras[n:]
+            if feeds:  # a routed op (MoE): its extra inputs come from the routing
+                mine = [getattr(routings[region], f) for f in feeds]
             ref = getattr(op, "reference_forward", None)
-            out = ref(x, *mine) if callable(ref) else OperationFuser([op], rules=empty)(x, *mine)
+            if callable(ref) and getattr(op, "routing_role", None):
+                out = ref(x, *mine, routing=routings[region])
+            else:
+                out = ref(x, *mine) if callable(ref) else OperationFuser([op], rules=empty)(x, *mine)
             if op.num_extra_outputs:
                 if not isinstance(out, (tuple, list)) or len(out) != 1 + op.num_extra_outputs:
                     raise TypeError(
@@ -235,7 +250,9 @@ def run_reference(seq, *inputs, unchecked_ops: Union[None, str, type, Iterable[t
 
 def run_unfused(seq, *inputs):
     """Run ``seq``'s modules one by one; every basic op is its own one-op fuser with no rules
-    (so each op's OWN forward and backward run: use :func:`run_reference` to check them)."""
+    (so each op's OWN forward and backward run: use :func:`run_reference` to check them). A MoE
+    layer (Router .. Combine, whose routing must stay in one fuser) runs as one fuser with no
+    rules."""
     from ..fuser import OperationFuser
     from ..op import FusibleOperation
     from ..rules import RuleSet
@@ -243,21 +260,44 @@ def run_unfused(seq, *inputs):
     empty = RuleSet()
     x, extras = inputs[0], list(inputs[1:])
     extra_outputs = []
+    layout, _, k = _layout_of(seq)
+    units, region = [], None  # each unit: a non-fusible module, or a list of basic ops run as one fuser
     for module in _modules_of(seq):
-        ops = list(module.basic_ops) if isinstance(module, FusibleOperation) else None
-        if ops is None:
-            x = module(x)
+        if not isinstance(module, FusibleOperation):
+            units.append(module)
+            region = None
             continue
-        for op in ops:
-            n = op.num_extra_inputs
-            mine, extras = extras[:n], extras[n:]
-            out = OperationFuser([op], rules=empty)(x, *mine)
-            if op.num_extra_outputs:
-                x, *ex = out
-                extra_outputs.extend(ex)
+        for op in module.basic_ops:
+            r = None if layout is None else layout.region[k]
+            k += 1
+            if r is not None and r == region:
+                units[-1].append(op)
             else:
-                x = out
+                units.append([op])
+            region = r
+    for unit in units:
+        if not isinstance(unit, list):
+            x = unit(x)
+            continue
+        fuser = OperationFuser(unit, rules=empty)
+        n = fuser.num_extra_inputs
+        mine, extras = extras[:n], extras[n:]
+        out = fuser(x, *mine)
+        if fuser.num_extra_outputs:
+            x, *ex = out
+            extra_outputs.extend(ex)
+        else:
+            x = out
     return (x, *extra_outputs) if extra_outputs else x
+
+
+def _layout_of(seq):
+    """(MoE routing layout of all of ``seq``'s basic ops or None, one empty Routing per MoE
+    layer, 0: the running basic-op index)."""
+    from ..ops.moe import routing_layout
+
+    layout = routing_layout(_basic_ops_in(seq))
+    return layout, (layout.new_routings() if layout is not None else []), 0
 
 
 def _plain_autograd_copy(seq, dtype: Optional[torch.dtype]):
@@ -346,6 +386,10 @@ def assert_matches_reference(
       except where the ideal-kernel run is non-finite too (exact intermediate results that do
       not fit the dtype, e.g. fp16 overflow). ``baseline=False``: table only, no exception.
     * Random ops (dropout) draw the same seeds (``torch.manual_seed(seed)``) in every run.
+    * MoE routing: the reference's Routers take the experts the run chose (so rounding upstream
+      of a Router cannot flip a near-tied top-k choice), after checking that they are a top-k of
+      the reference's own selection scores within the tolerance of the run's dtype; probabilities,
+      aux loss and every gradient are then compared as usual.
     * Every basic op must define ``reference_forward(x, *extra_inputs)``, else
       :class:`MissingReferenceError` (naming the op). ``unchecked_ops``: ``"all"``, an op class
       or a tuple of classes whose ops lacking ``reference_forward`` run their own forward and
@@ -378,13 +422,15 @@ def assert_matches_reference(
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        outs = _as_list(seq(*run_in))
+        with record_routing() as routing_log:
+            outs = _as_list(seq(*run_in))
+    dtype = outs[0].dtype
+    routing = (routing_log, TOLERANCES[dtype]) if routing_log else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        ref_outs = _as_list(run_reference(ref, *ref_in, unchecked_ops=unchecked_ops))
+        ref_outs = _as_list(run_reference(ref, *ref_in, unchecked_ops=unchecked_ops, _routing=routing))
     if len(outs) != len(ref_outs):
         raise AssertionError(f"{len(outs)} outputs, reference has {len(ref_outs)}")
-    dtype = outs[0].dtype
     diff = [i for i, o in enumerate(outs) if o.requires_grad]
     grads_out = None
     if diff:
@@ -399,7 +445,7 @@ def assert_matches_reference(
         if base_model is None:
             return None, None
         if "run" not in cache:
-            cache["run"] = _baseline_run(base_model, inputs, seed, grads_out, unchecked_ops, dtype)
+            cache["run"] = _baseline_run(base_model, inputs, seed, grads_out, unchecked_ops, dtype, routing)
         runs, ideal = cache["run"]
         i = ideal.get(key)
         return runs.get(key), (None if i is None else ~torch.isfinite(i))
@@ -484,12 +530,12 @@ def _dither(t, dtype: torch.dtype, gen: torch.Generator):
     return (t + (u * ulp).to(t.dtype)).to(dtype).to(t.dtype)
 
 
-def _run_and_grads(model, ins, seed, grads_out, unchecked_ops, boundary=None) -> dict:
+def _run_and_grads(model, ins, seed, grads_out, unchecked_ops, boundary=None, routing=None) -> dict:
     """One run of the reference_forward chain and its backward: outputs and gradients keyed like
     the messages of :func:`assert_matches_reference`."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        outs = _as_list(run_reference(model, *ins, unchecked_ops=unchecked_ops, _boundary=boundary))
+        outs = _as_list(run_reference(model, *ins, unchecked_ops=unchecked_ops, _boundary=boundary, _routing=routing))
     res = {f"output {i}": o.detach() for i, o in enumerate(outs)}
     if grads_out:
         idx = [i for i in grads_out if i < len(outs) and outs[i].requires_grad]
@@ -506,7 +552,7 @@ def _run_and_grads(model, ins, seed, grads_out, unchecked_ops, boundary=None) ->
     return res
 
 
-def _baseline_run(model, inputs, seed, grads_out, unchecked_ops, dtype) -> tuple[dict, dict]:
+def _baseline_run(model, inputs, seed, grads_out, unchecked_ops, dtype, routing=None) -> tuple[dict, dict]:
     """What rounding to the run's dtype does to this math: key -> list of results, each to be
     compared with the float64 reference. (1) The reference_forward chain in plain PyTorch in the
     run's own dtypes (rounding after every primitive op); (2) the chain in float64 with the
@@ -527,7 +573,8 @@ def _baseline_run(model, inputs, seed, grads_out, unchecked_ops, dtype) -> tuple
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UncheckedOpWarning)
         try:
-            add(_run_and_grads(copy.deepcopy(model), [_fresh(t) for t in inputs], seed, grads_out, unchecked_ops))
+            add(_run_and_grads(copy.deepcopy(model), [_fresh(t) for t in inputs], seed, grads_out, unchecked_ops,
+                               routing=routing))
         except (RuntimeError, NotImplementedError, TypeError):
             pass
         if dtype == torch.float64:
@@ -540,7 +587,8 @@ def _baseline_run(model, inputs, seed, grads_out, unchecked_ops, dtype) -> tuple
             try:
                 run = _run_and_grads(base64, [_to64(t) for t in inputs], seed, grads_out, unchecked_ops,
                                      boundary=lambda t, gen=gen: _DitherRound.apply(t, dtype, gen)
-                                     if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+                                     if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                                     routing=routing)
             except (RuntimeError, NotImplementedError, TypeError):
                 continue
             for k in list(run):

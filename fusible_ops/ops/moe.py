@@ -1,0 +1,488 @@
+"""Mixture-of-experts routing as ops: :class:`Router`, :class:`Dispatch`, :class:`Combine`.
+
+A MoE layer is a run of basic ops in one ``Sequential``::
+
+    Router -> Dispatch -> GroupedLinear -> GLU -> GroupedLinear -> Combine
+
+The routing (a :class:`Routing` record: expert ids, probabilities, per-expert counts, the sort
+permutation) travels with the activations from the ``Router`` to the ``Dispatch``, the routed
+``GroupedLinear``\\ s (every ``GroupedLinear`` between a ``Dispatch`` and the next ``Combine``,
+fed the per-expert counts as their split sizes by the fuser) and the ``Combine``: the user passes
+no split sizes. In backward the record is the channel for the probabilities' gradient, which
+``Combine`` computes and ``Router`` consumes.
+
+What must hold:
+
+* Router..Combine run in ONE fuser (:class:`RoutingLayout` checks it when the fuser is built:
+  a hook or a non-fusible module in between is an error naming the ops, never a wrong result).
+* No host sync: counts come from ``scatter_add_`` into a device tensor, the permutation from a
+  stable ``argsort`` (tokens of one expert keep token order: deterministic), copies are gathered
+  with ``index_select`` and summed back over ``top_k`` in a fixed order (no atomics).
+* Probabilities are float32 (the router's math is float32 whatever the activations' dtype);
+  ``Combine`` multiplies the expert outputs by them cast to the activations' dtype, in one
+  batched GEMM per call (float32 accumulation on CUDA). The auxiliary loss is a float32 scalar.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+
+from ..grad import WeightGradMixin, deliver_weight_grad
+from ..kernels.gemm import linear_wgrad
+from ..op import BasicOperation
+from .grouped_linear import GroupedLinear
+from .validation import check_input
+
+SCORES = ("softmax", "sigmoid")
+
+
+class RoutingError(ValueError):
+    """Routing ops placed so that the routing cannot reach every op that needs it."""
+
+
+class Routing:
+    """The routing of one MoE layer for one call (forward), or the channel of its gradient
+    (backward: ``dprobs``). Filled by :class:`Router` (``token_shape``, ``expert_ids`` [T, k]
+    int64, ``probs`` [T, k] float32, ``split_sizes`` [E] int64 on the device, ``probs_grad``)
+    and :class:`Dispatch` (``perm``: token-copy positions ``t * k + j`` sorted by expert, stably;
+    ``inv_perm`` its inverse)."""
+
+    __slots__ = ("num_experts", "top_k", "token_shape", "expert_ids", "probs", "split_sizes", "perm",
+                 "inv_perm", "probs_grad", "dprobs", "selection_tol")
+
+    def __init__(self, num_experts: int, top_k: int) -> None:
+        self.num_experts, self.top_k = num_experts, top_k
+        self.token_shape = self.expert_ids = self.probs = self.split_sizes = None
+        self.perm = self.inv_perm = self.dprobs = None
+        self.probs_grad = False
+        self.selection_tol = None  # (rtol, atol) when expert_ids are given to a reference run
+
+    @property
+    def num_tokens(self) -> int:
+        return math.prod(self.token_shape)
+
+
+class RoutingLayout:
+    """Where routing flows in a run of basic ops (one fuser); built once, when the fuser is.
+
+    ``region[i]``: index of the MoE layer op ``i`` belongs to (every op from a Router to its
+    Combine), else ``None``. ``feeds[i]``: names of :class:`Routing` fields the fuser passes as op ``i``'s extra
+    inputs (``("split_sizes",)`` for a routed ``GroupedLinear``), else ``()``. Raises
+    :class:`RoutingError` naming the ops when a Router, Dispatch or Combine lacks its partners in
+    this run, or a routed ``GroupedLinear`` has a number of groups other than the Router's experts.
+    """
+
+    def __init__(self, ops) -> None:
+        n = len(ops)
+        self.region: list[Optional[int]] = [None] * n
+        self.feeds: list[tuple] = [()] * n
+        self.layers: list[tuple[int, int]] = []  # (num_experts, top_k) per region
+        name = [f"{type(op).__name__} (basic op {i} of the fuser)" for i, op in enumerate(ops)]
+        state, router = "out", None
+        for i, op in enumerate(ops):
+            role = getattr(op, "routing_role", None)
+            if role == "router":
+                if state != "out":
+                    raise RoutingError(f"{name[i]} comes before the Combine of {name[router]}: MoE layers do not nest")
+                state, router = "routed", i
+                self.layers.append((op.num_experts, op.top_k))
+            elif role == "dispatch" and state != "routed":
+                raise RoutingError(f"{name[i]} has no Router before it in the same fuser" if state == "out" else
+                                   f"{name[i]}: a second Dispatch after the one of {name[router]}")
+            elif role == "dispatch":
+                state = "dispatched"
+            elif role == "combine" and state != "dispatched":
+                raise RoutingError(f"{name[i]} has no Dispatch (after a Router) before it in the same fuser")
+            elif role == "combine":
+                state = "out"
+            elif role is not None:
+                raise RoutingError(f"{name[i]}: unknown routing_role {role!r}")
+            if state == "dispatched" and isinstance(op, GroupedLinear):
+                experts = ops[router].num_experts
+                if op.num_groups != experts:
+                    raise RoutingError(f"{name[i]} is routed by {name[router]} but has {op.num_groups} groups "
+                                       f"for {experts} experts")
+                self.feeds[i] = ("split_sizes",)
+            if role is not None or state != "out":
+                self.region[i] = len(self.layers) - 1
+        if state != "out":
+            what = "Dispatch and Combine" if state == "routed" else "Combine"
+            raise RoutingError(f"{name[router]} has no {what} after it in the same fuser: Router, Dispatch and "
+                               f"Combine must run in one fuser (a module with hooks or a non-fusible module "
+                               f"between them splits it)")
+
+    def extra_input_counts(self, ops) -> list[int]:
+        """Each op's user-given extra inputs (routed ops get theirs from the routing)."""
+        return [0 if f else op.num_extra_inputs for op, f in zip(ops, self.feeds)]
+
+    def new_routings(self) -> list[Routing]:
+        """One empty :class:`Routing` per MoE layer (per call, per pass)."""
+        return [Routing(e, k) for e, k in self.layers]
+
+
+def routing_layout(ops) -> Optional[RoutingLayout]:
+    """The :class:`RoutingLayout` of ``ops``, or ``None`` when no op has a routing role."""
+    if not any(getattr(op, "routing_role", None) for op in ops):
+        return None
+    return RoutingLayout(ops)
+
+
+_RECORDS: list[list] = []  # open record_routing() blocks
+
+
+@contextlib.contextmanager
+def record_routing():
+    """Inside the block every :class:`Router` forward appends its expert ids [T, k] to the yielded
+    list, in call order (test helpers replay a run's routing in its float64 reference, where
+    upstream rounding could otherwise flip a near-tied top-k choice)."""
+    log: list = []
+    _RECORDS.append(log)
+    try:
+        yield log
+    finally:
+        _RECORDS.remove(log)
+
+
+def _router_logits(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x2d @ weight.T`` in float32 (float64 for float64 inputs, as the reference runs)."""
+    acc = torch.float64 if x2d.dtype == torch.float64 else torch.float32
+    return x2d.to(acc) @ weight.to(acc).t()
+
+
+def _expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Token copies per expert, int64 on ids' device (``scatter_add_``: no host sync)."""
+    flat = ids.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def _permutation(routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm, inv_perm): copy positions ``t * k + j`` sorted by expert (stable), and its inverse."""
+    perm = torch.argsort(routing.expert_ids.reshape(-1), stable=True)
+    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+    return perm, inv
+
+
+class Router(WeightGradMixin, BasicOperation):
+    """Routes each token (row of ``x`` [..., in_features]) to ``top_k`` of ``num_experts`` experts.
+
+    ``logits = x @ weight.T`` in float32 (``weight`` [E, in_features]). ``score="softmax"``:
+    ``s = softmax(logits)``, the top-k of ``s`` is selected. ``score="sigmoid"`` (DeepSeek-V3):
+    ``s = sigmoid(logits)``, selection by the top-k of ``s + expert_bias`` when ``expert_bias=True``
+    (a non-trainable [E] float32 buffer, zeros at start, used only for selection: aux-loss-free
+    balancing; training forwards add their token copies per expert into the int64 buffer
+    ``expert_load``, and :meth:`update_expert_bias` takes the balancing step from it). Probabilities: the selected ``s`` (divided by their sum
+    when ``normalize=True``), float32 [T, k].
+
+    Output: ``x`` unchanged (the routing travels with it to :class:`Dispatch`), and the extra
+    output ``aux_loss``, a float32 scalar, differentiable::
+
+        aux_loss = aux_loss_coeff * E * sum_e f_e * P_e  +  z_loss_coeff * mean_t(logsumexp(logits_t) ** 2)
+
+    with ``f_e`` the fraction of the ``T * k`` token copies routed to expert e (no gradient) and
+    ``P_e`` the mean over tokens of the router probability of e (``s``; for sigmoid scoring ``s``
+    normalized over the experts). Uniform routing gives ``aux_loss_coeff``. Defaults:
+    ``aux_loss_coeff=1e-2``, ``z_loss_coeff=0.0``.
+
+    Gradient contract as every weight-owning op (``accumulate_into_main_grad``,
+    ``delay_wgrad_compute``; a frozen weight costs no weight-gradient GEMM and its input is not
+    saved). Must run in one fuser with a following :class:`Dispatch` and :class:`Combine`.
+    """
+
+    routing_role = "router"
+    num_extra_outputs = 1
+
+    def __init__(self, in_features: int, num_experts: int, top_k: int = 2, *, score: str = "softmax",
+                 normalize: bool = False, expert_bias: bool = False, aux_loss_coeff: float = 1e-2,
+                 z_loss_coeff: float = 0.0, device=None, dtype=None, accumulate_into_main_grad: bool = False,
+                 delay_wgrad_compute: bool = False) -> None:
+        super().__init__()
+        if in_features <= 0 or num_experts <= 0:
+            raise ValueError(f"Router: sizes must be positive, got ({in_features}, {num_experts})")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"Router: top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if score not in SCORES:
+            raise ValueError(f"Router: score must be one of {SCORES}, got {score!r}")
+        if expert_bias and score != "sigmoid":
+            raise ValueError("Router: expert_bias (selection bias) is for score='sigmoid'")
+        if aux_loss_coeff < 0 or z_loss_coeff < 0:
+            raise ValueError(f"Router: loss coefficients must be >= 0, got {aux_loss_coeff}, {z_loss_coeff}")
+        self.in_features, self.num_experts, self.top_k = int(in_features), int(num_experts), int(top_k)
+        self.score, self.normalize = score, bool(normalize)
+        self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
+        self.weight = torch.nn.Parameter(torch.empty(num_experts, in_features, device=device, dtype=dtype))
+        bias = torch.zeros(num_experts, device=device, dtype=torch.float32) if expert_bias else None
+        self.register_buffer("expert_bias", bias)
+        load = torch.zeros(num_experts, device=device, dtype=torch.int64) if expert_bias else None
+        self.register_buffer("expert_load", load)
+        self._init_wgrad(accumulate_into_main_grad, delay_wgrad_compute)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # torch.nn.Linear's init
+
+    def update_expert_bias(self, rate: float = 1e-3) -> None:
+        """DeepSeek-V3's aux-loss-free balancing step, on the device (no host sync):
+        ``expert_bias += rate * sign(mean load - load)`` with the load counted in ``expert_load``
+        since the last call (training forwards; also those of a CUDA-graph warm-up), which is then
+        zeroed. Call it once per optimizer step. Needs ``expert_bias=True``."""
+        if self.expert_bias is None:
+            raise RuntimeError("Router.update_expert_bias: the router was built without expert_bias=True")
+        with torch.no_grad():
+            load = self.expert_load.to(torch.float32)
+            self.expert_bias.add_(torch.sign(load.mean() - load), alpha=rate)
+            self.expert_load.zero_()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"score={self.score!r}, normalize={self.normalize}, expert_bias={self.expert_bias is not None}")
+
+    @classmethod
+    def _example(cls, n: int, **factory):
+        return cls(n, 4, top_k=2, z_loss_coeff=1e-3, **factory), n
+
+    @classmethod
+    def _contract_ops(cls, n: int, **factory) -> list:
+        """A whole MoE layer around an ``_example`` router (it cannot run alone): for tests."""
+        router, _ = cls._example(n, **factory)
+        e = router.num_experts
+        return [router, Dispatch(), GroupedLinear(e, n, 2 * n, bias=False, **factory), _swiglu(),
+                GroupedLinear(e, n, n, bias=False, **factory), Combine()]
+
+    # routing math (shared by the op and its reference; differentiable) -------------------
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits, -1) if self.score == "softmax" else torch.sigmoid(logits)
+
+    def select(self, scores: torch.Tensor, given: Optional[Routing] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k] int64, probabilities [T, k]) from the scores. ``given``: a routing
+        whose ``expert_ids`` were preset (a reference run replaying a run's choice): they are
+        used, after checking they are a top-k within ``given.selection_tol``."""
+        sel = (scores if self.expert_bias is None else scores + self.expert_bias.to(scores.dtype)).detach()
+        if given is None or given.expert_ids is None:
+            ids = torch.topk(sel, self.top_k, dim=-1).indices
+        else:
+            ids = given.expert_ids.to(sel.device)
+            _check_top_k(self, sel, ids, given.selection_tol)
+        vals = scores.gather(1, ids)
+        return ids, (vals / vals.sum(-1, keepdim=True) if self.normalize else vals)
+
+    def aux_loss(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        tokens = logits.shape[0]
+        aux = logits.new_zeros(())
+        if tokens == 0:
+            return aux
+        if self.aux_loss_coeff:
+            p = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+            f = counts.to(logits.dtype) / (tokens * self.top_k)
+            aux = aux + self.aux_loss_coeff * self.num_experts * (f * p.mean(0)).sum()
+        if self.z_loss_coeff:
+            aux = aux + self.z_loss_coeff * torch.logsumexp(logits, -1).square().mean()
+        return aux
+
+    def _route(self, x: torch.Tensor, routing: Routing) -> tuple:
+        x2d = x.reshape(-1, self.in_features)
+        logits = _router_logits(x2d, self.weight)
+        scores = self.scores(logits)
+        ids, probs = self.select(scores, routing)
+        counts = _expert_counts(ids, self.num_experts)
+        routing.token_shape, routing.expert_ids, routing.probs, routing.split_sizes = x.shape[:-1], ids, probs, counts
+        return x2d, logits, ids, counts, self.aux_loss(logits, scores, counts)
+
+    def _dlogits(self, logits, ids, counts, dprobs, daux) -> torch.Tensor:
+        """d(loss)/d(logits) [T, E] float32 from the probabilities' and the aux loss's gradients."""
+        tokens, k, e = logits.shape[0], self.top_k, self.num_experts
+        s = self.scores(logits)
+        ds = torch.zeros_like(logits)
+        if dprobs is not None:
+            vals = s.gather(1, ids)
+            if self.normalize:
+                total = vals.sum(-1, keepdim=True)
+                dprobs = (dprobs - (dprobs * vals).sum(-1, keepdim=True) / total) / total
+            ds.scatter_add_(1, ids, dprobs.to(ds.dtype))
+        if daux is not None and tokens and self.aux_loss_coeff:
+            g = counts.to(s.dtype) * (self.aux_loss_coeff * e / (tokens * tokens * k)) * daux  # dP_e / T
+            if self.score == "softmax":
+                ds = ds + g
+            else:  # P uses s normalized over the experts
+                total = s.sum(-1, keepdim=True)
+                ds = ds + (g - (s * g).sum(-1, keepdim=True) / total) / total
+        if self.score == "softmax":
+            dl = s * (ds - (ds * s).sum(-1, keepdim=True))
+        else:
+            dl = ds * s * (1 - s)
+        if daux is not None and tokens and self.z_loss_coeff:
+            lse = torch.logsumexp(logits, -1, keepdim=True)
+            dl = dl + (2 * self.z_loss_coeff / tokens) * daux * lse * torch.softmax(logits, -1)
+        return dl
+
+    # fuser interface -------------------------------------------------------------------------
+    def fuser_forward(self, ctxs, x, *, extra_inputs, routing: Routing = None, **kwargs):
+        _need_routing(self, routing)
+        check_input(self, x, features=self.in_features, like=self.weight)
+        ctx = ctxs[0]
+        x2d, logits, ids, counts, aux = self._route(x, routing)
+        if _RECORDS:
+            _RECORDS[-1].append(ids)
+        if self.expert_load is not None and self.training:
+            self.expert_load.add_(counts)
+        if ctx.requires_grad:
+            ctx.weight_grad = ctx.weight_requires_grad and self.weight.requires_grad
+            routing.probs_grad = ctx.weight_grad or ctx.input_requires_grad
+            ctx.save_for_backward(x2d if ctx.weight_grad else None, self.weight if ctx.input_requires_grad else None,
+                                  logits, ids, counts)
+            ctx.input_shape = x.shape
+        return x, [(aux,)]
+
+    def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, routing: Routing = None, **kwargs):
+        ctx = ctxs[0]
+        x2d, w, logits, ids, counts = ctx.saved_tensors
+        (daux,) = grad_extra_outputs[0]
+        if not (ctx.input_requires_grad or ctx.weight_grad):
+            return None, [(None,)], [()]
+        dl = self._dlogits(logits, ids, counts, routing.dprobs, daux)
+        dx = None
+        if ctx.input_requires_grad:
+            dx = (dl @ w.to(dl.dtype)).to(w.dtype).reshape(ctx.input_shape)
+            dx = dx if dy is None else dy + dx
+        dw = None
+        if ctx.weight_grad:
+            xf = x2d.to(dl.dtype)
+            dw = deliver_weight_grad(self, self.weight, lambda out, acc: linear_wgrad(dl, xf, out, acc)
+                                     if out is not None else linear_wgrad(dl, xf).to(self.weight.dtype))
+        return dx, [(dw,)], [()]
+
+    def reference_forward(self, x, routing: Routing):
+        *_, aux = self._route(x, routing)
+        return x, aux
+
+
+class Dispatch(BasicOperation):
+    """Token copies grouped by expert: input ``x`` [..., H] (the Router's tokens), output
+    [T * k, H], row ``i`` = the token of copy ``perm[i]``; rows of expert 0 first, then expert 1...
+    (``Routing.split_sizes`` rows each; tokens of one expert in token order). Backward sums each
+    token's k copies' gradients in a fixed order. Needs a :class:`Router` before it and a
+    :class:`Combine` after it in the same fuser."""
+
+    routing_role = "dispatch"
+
+    @classmethod
+    def _example(cls, n: int, **factory):
+        return cls(), n
+
+    def _rows(self, x, routing: Routing) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])
+        if x2d.shape[0] != routing.num_tokens:
+            raise ValueError(f"Dispatch: the input has {x2d.shape[0]} rows but the Router routed "
+                             f"{routing.num_tokens} tokens")
+        routing.perm, routing.inv_perm = _permutation(routing)
+        return x2d
+
+    def fuser_forward(self, ctxs, x, *, extra_inputs, routing: Routing = None, **kwargs):
+        _need_routing(self, routing)
+        check_input(self, x)
+        x2d = self._rows(x, routing)
+        ctx = ctxs[0]
+        if ctx.input_requires_grad:
+            ctx.save_for_backward(routing.inv_perm)
+            ctx.input_shape, ctx.top_k = x.shape, routing.top_k
+        return x2d.index_select(0, torch.div(routing.perm, routing.top_k, rounding_mode="floor")), [()]
+
+    def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
+        ctx = ctxs[0]
+        if not ctx.input_requires_grad:
+            return None, [()], [()]
+        (inv,) = ctx.saved_tensors
+        h = dy.shape[-1]
+        tokens = inv.numel() // ctx.top_k
+        dx = dy.index_select(0, inv).view(tokens, ctx.top_k, h).sum(1)
+        return dx.reshape(ctx.input_shape), [()], [()]
+
+    def reference_forward(self, x, routing: Routing):
+        x2d = self._rows(x, routing)
+        return x2d[torch.div(routing.perm, routing.top_k, rounding_mode="floor")]
+
+
+class Combine(BasicOperation):
+    """Back to token order, weighted by the router probabilities, summed over ``top_k``: input
+    [T * k, H] in :class:`Dispatch`'s order, output [..., H] in the Router input's leading shape,
+    ``y[t] = sum_j probs[t, j] * x[position of copy (t, j)]``. Backward gives the copies'
+    gradient and, when the router needs it, the probabilities' gradient
+    ``dprobs[t, j] = <dy[t], x[position of copy (t, j)]>`` (handed to the Router)."""
+
+    routing_role = "combine"
+
+    @classmethod
+    def _example(cls, n: int, **factory):
+        return cls(), n
+
+    def _copies(self, x, routing: Routing) -> torch.Tensor:
+        """x's rows in token-copy order, [T, k, H]."""
+        t, k = routing.num_tokens, routing.top_k
+        x2d = x.reshape(-1, x.shape[-1])
+        if x2d.shape[0] != t * k:
+            raise ValueError(f"Combine: the input has {x2d.shape[0]} rows; the Router routed {t} tokens to "
+                             f"top_k={k} experts each ({t * k} copies)")
+        return x2d.index_select(0, routing.inv_perm).view(t, k, x2d.shape[1])
+
+    def fuser_forward(self, ctxs, x, *, extra_inputs, routing: Routing = None, **kwargs):
+        _need_routing(self, routing)
+        check_input(self, x)
+        ctx = ctxs[0]
+        rows = self._copies(x, routing)
+        p = routing.probs.to(x.dtype)
+        y = torch.bmm(p.unsqueeze(1), rows).reshape(*routing.token_shape, rows.shape[-1])
+        if ctx.requires_grad:
+            ctx.probs_grad = routing.probs_grad
+            ctx.save_for_backward(rows if ctx.probs_grad else None, p if ctx.input_requires_grad else None,
+                                  routing.perm if ctx.input_requires_grad else None)
+            ctx.input_shape = x.shape
+        return y, [()]
+
+    def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, routing: Routing = None, **kwargs):
+        ctx = ctxs[0]
+        rows, p, perm = ctx.saved_tensors
+        h = ctx.input_shape[-1]
+        dy2 = dy.reshape(-1, 1, h)
+        if ctx.probs_grad:
+            routing.dprobs = torch.bmm(rows, dy2.transpose(1, 2)).squeeze(-1).float()
+        dx = None
+        if ctx.input_requires_grad:
+            dx = (p.unsqueeze(-1) * dy2).reshape(-1, h).index_select(0, perm).reshape(ctx.input_shape)
+        return dx, [()], [()]
+
+    def reference_forward(self, x, routing: Routing):
+        rows = self._copies(x, routing)
+        y = (rows * routing.probs.to(x.dtype).unsqueeze(-1)).sum(1)
+        return y.reshape(*routing.token_shape, rows.shape[-1])
+
+
+def _check_top_k(router: Router, sel: torch.Tensor, ids: torch.Tensor, tol) -> None:
+    """Given expert ids must be a top-k of the selection scores ``sel``: no unselected expert
+    scores more than ``rtol * |score| + atol * max(1, max |sel|)`` above a selected one."""
+    if ids.shape != (sel.shape[0], router.top_k):
+        raise ValueError(f"Router: given expert ids have shape {list(ids.shape)}, expected {[sel.shape[0], router.top_k]}")
+    if sel.numel() == 0 or router.top_k == router.num_experts:
+        return
+    rtol, atol = tol if tol is not None else (0.0, 0.0)
+    chosen = sel.gather(1, ids).min(-1).values
+    others = sel.scatter(1, ids, float("-inf")).max(-1).values
+    slack = rtol * others.abs() + atol * max(1.0, sel.abs().max().item())
+    if (others > chosen + slack).any():
+        t = int((others - chosen - slack).argmax())
+        raise AssertionError(f"Router: the run's experts {ids[t].tolist()} for token {t} are not a top-{router.top_k} "
+                             f"of the reference selection scores {sel[t].tolist()} (rtol {rtol}, atol {atol})")
+
+
+def _need_routing(op, routing) -> None:
+    if routing is None:
+        raise RoutingError(f"{type(op).__name__} got no routing: it must run inside a fuser (a Sequential) "
+                           f"together with its Router, Dispatch and Combine")
+
+
+def _swiglu():
+    from .activation import SwiGLU
+
+    return SwiGLU()
