@@ -13,7 +13,7 @@ import torch
 
 import fusible_ops as fo
 import fusible_ops.quantization.casting as Q
-from fusible_ops.testing import SQNR_DB, assert_sqnr
+from fusible_ops.testing import SQNR_DB, TOLERANCES, assert_sqnr
 
 RECIPES = {"current": fo.Float8CurrentScaling(), "delayed": fo.Float8DelayedScaling(amax_history_len=4),
            "e4m3": fo.Float8CurrentScaling(fp8_format="e4m3")}
@@ -421,3 +421,46 @@ def test_gpu_graphed_block_scaled_moe_changing_splits_matches_eager():
         torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
         for i in (0, 2):
             torch.testing.assert_close(seq[i].weight.grad, ref[i].weight.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_block_scaled_main_grad_delayed_and_frozen():
+    """The gradient contract under block scaling on the GPU: main_grad accumulation and delayed
+    wgrad equal plain .grad; frozen experts launch no weight-gradient kernel."""
+    _skip_without_fp8()
+    import fusible_ops.kernels.fp8_grouped_gemm as FG
+
+    seq = _moe("cuda", torch.bfloat16, e=4, h=128, f=256, accumulate_into_main_grad=True, delay_wgrad_compute=True)
+    plain = copy.deepcopy(seq)
+    for m in (plain[0], plain[2]):
+        m.accumulate_into_main_grad = m.delay_wgrad_compute = False
+    for m in (seq[0], seq[2]):
+        m.weight.main_grad = torch.full(m.weight.shape, 0.5, device="cuda")
+    x, dy, splits = _inputs([100, 0, 131, 153], h=128, device="cuda", dtype=torch.bfloat16)
+    y, dx = _run(seq, x, dy, splits, BLOCK)
+    assert float((seq[0].weight.main_grad - 0.5).abs().max()) == 0.0  # delayed until backward_dw()
+    seq.backward_dw()
+    yp, dxp = _run(plain, x, dy, splits, BLOCK)
+    torch.testing.assert_close(y, yp, rtol=0, atol=0)
+    torch.testing.assert_close(dx, dxp, rtol=0, atol=0)
+    for m, p in ((seq[0], plain[0]), (seq[2], plain[2])):
+        # main_grad holds the fp32 sum; .grad the same GEMM's result rounded to bf16: the bf16 table
+        rtol, atol = TOLERANCES[torch.bfloat16]
+        torch.testing.assert_close(m.weight.main_grad, 0.5 + p.weight.grad.float(), rtol=rtol, atol=atol)
+        assert torch.count_nonzero(m.weight.main_grad[1] - 0.5) == 0  # the empty expert's buffer untouched
+    frozen = copy.deepcopy(plain)
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+        p.grad = None
+    calls = []
+    real = FG.fp8_grouped_wgrad
+    mp = pytest.MonkeyPatch()
+    mp.setattr(FG, "fp8_grouped_wgrad", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    import fusible_ops.ops.fp8_grouped as OG
+    mp.setattr(OG, "fp8_grouped_wgrad", FG.fp8_grouped_wgrad)
+    try:
+        _, dxf = _run(frozen, x, dy, splits, BLOCK)
+    finally:
+        mp.undo()
+    assert calls == [] and frozen[0].weight.grad is None
+    torch.testing.assert_close(dxf, dxp, rtol=0, atol=0)
