@@ -322,12 +322,16 @@ def padded_rows(M: int, G: int) -> int:
 
 def padded_index(split_sizes: torch.Tensor, M: int) -> torch.Tensor:
     """[M] int64: the row of :func:`pad_groups`' layout that row i goes to (group g's rows start at
-    sum_{h<g} ceil(m_h/128)*128). Device ops only: no host sync."""
+    sum_{h<g} ceil(m_h/128)*128). Device ops only: no host sync. Split sizes that are negative or
+    do not sum to M (reported by the device-side split check) give clamped indices, never one
+    outside the layout."""
+    G = split_sizes.shape[0]
     ends = torch.cumsum(split_sizes, 0)
     padded = (split_sizes + 127) // 128 * 128
     shift = (torch.cumsum(padded, 0) - padded) - (ends - split_sizes)  # padded start - start, per group
     rows = torch.arange(M, device=split_sizes.device)
-    return rows + shift[torch.searchsorted(ends, rows, right=True)]
+    group = torch.searchsorted(ends, rows, right=True).clamp_(max=max(G - 1, 0))
+    return (rows + shift[group]).clamp_(0, padded_rows(M, G) - 1)
 
 
 def pad_groups(x: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:

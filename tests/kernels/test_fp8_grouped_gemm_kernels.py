@@ -330,3 +330,12 @@ def test_gpu_block_scaled_mm_and_wgrad(tma, splits, monkeypatch):
     assert_sqnr((main - before).cpu()[live], want[live], KERNEL_DB, msg="wgrad")
     empty = [g for g, m in enumerate(splits) if m == 0]
     assert torch.equal(main[empty], before[empty])
+
+
+def test_padded_index_stays_inside_the_layout_for_bad_split_sizes():
+    """Bad split sizes (flagged by the device-side check) must not make pad_groups write out of
+    bounds: the indices are clamped into the layout."""
+    for bad in ([300, 5, -3], [-200, 100, 100], [1, 1, 1]):
+        idx = F.padded_index(torch.tensor(bad), 100)
+        assert int(idx.min()) >= 0 and int(idx.max()) < F.padded_rows(100, 3)
+        assert F.pad_groups(torch.ones(100, 4), torch.tensor(bad)).shape == (F.padded_rows(100, 3), 4)
