@@ -81,8 +81,12 @@ def _routing_lines(fuser: OperationFuser, offset: int) -> list[str]:
             if layout.region[i] == r and (layout.feeds[i] or getattr(op, "routing_role", None)):
                 what = "routed " if layout.feeds[i] else ""
                 parts.append(f"{what}{type(op).__name__} [{i + offset}]")
+        ep = layout.ep_sizes[r]
+        how = ("on the device (no host sync)" if ep == 1 else
+               f"expert parallel over {ep} ranks ({experts // ep} local experts): all-to-all, one host sync "
+               f"per forward")
         lines.append(f"MoE routing ({experts} experts, top_k={top_k}): " + " -> ".join(parts)
-                     + "; routed ops take the split sizes from the routing, on the device (no host sync)")
+                     + f"; routed ops take the split sizes from the routing, {how}")
     return lines
 
 

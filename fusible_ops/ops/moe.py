@@ -21,6 +21,10 @@ What must hold:
 * Probabilities are float32 (the router's math is float32 whatever the activations' dtype);
   ``Combine`` multiplies the expert outputs by them cast to the activations' dtype, in one
   batched GEMM per call (float32 accumulation on CUDA). The auxiliary loss is a float32 scalar.
+
+Expert parallel (``Dispatch(ep_group=group)``): each rank holds ``E / ep`` experts and exchanges
+token copies with all-to-all (:mod:`fusible_ops.ops.moe_ep`); that path syncs with the host once
+per layer per forward and is not graph-capturable.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ import torch
 from ..grad import WeightGradMixin, deliver_weight_grad
 from ..kernels.gemm import linear_wgrad
 from ..op import BasicOperation
+from .comm import GroupRef
 from .grouped_linear import GroupedLinear
+from .moe_ep import ExpertExchange, from_experts_autograd, to_experts_autograd
 from .validation import check_input
 
 SCORES = ("softmax", "sigmoid")
@@ -49,15 +55,17 @@ class Routing:
     (backward: ``dprobs``). Filled by :class:`Router` (``token_shape``, ``expert_ids`` [T, k]
     int64, ``probs`` [T, k] float32, ``split_sizes`` [E] int64 on the device, ``probs_grad``)
     and :class:`Dispatch` (``perm``: token-copy positions ``t * k + j`` sorted by expert, stably;
-    ``inv_perm`` its inverse)."""
+    ``inv_perm`` its inverse; with an expert-parallel group also ``exchange``, the
+    :class:`~fusible_ops.ops.moe_ep.ExpertExchange`, and ``local_split_sizes`` [E / ep], the
+    routed ops' split sizes)."""
 
     __slots__ = ("num_experts", "top_k", "token_shape", "expert_ids", "probs", "split_sizes", "perm",
-                 "inv_perm", "probs_grad", "dprobs", "selection_tol")
+                 "inv_perm", "probs_grad", "dprobs", "selection_tol", "exchange", "local_split_sizes")
 
     def __init__(self, num_experts: int, top_k: int) -> None:
         self.num_experts, self.top_k = num_experts, top_k
         self.token_shape = self.expert_ids = self.probs = self.split_sizes = None
-        self.perm = self.inv_perm = self.dprobs = None
+        self.perm = self.inv_perm = self.dprobs = self.exchange = self.local_split_sizes = None
         self.probs_grad = False
         self.selection_tol = None  # (rtol, atol) when expert_ids are given to a reference run
 
@@ -71,9 +79,11 @@ class RoutingLayout:
 
     ``region[i]``: index of the MoE layer op ``i`` belongs to (every op from a Router to its
     Combine), else ``None``. ``feeds[i]``: names of :class:`Routing` fields the fuser passes as op ``i``'s extra
-    inputs (``("split_sizes",)`` for a routed ``GroupedLinear``), else ``()``. Raises
-    :class:`RoutingError` naming the ops when a Router, Dispatch or Combine lacks its partners in
-    this run, or a routed ``GroupedLinear`` has a number of groups other than the Router's experts.
+    inputs (``("split_sizes",)`` for a routed ``GroupedLinear``; ``("local_split_sizes",)`` when
+    the Dispatch is expert parallel), else ``()``. ``ep_sizes[r]``: layer r's expert-parallel
+    group size. Raises :class:`RoutingError` naming the ops when a Router, Dispatch or Combine
+    lacks its partners in this run, the experts do not split evenly over the Dispatch's EP group,
+    or a routed ``GroupedLinear`` has a number of groups other than ``num_experts / ep_size``.
     """
 
     def __init__(self, ops) -> None:
@@ -81,6 +91,7 @@ class RoutingLayout:
         self.region: list[Optional[int]] = [None] * n
         self.feeds: list[tuple] = [()] * n
         self.layers: list[tuple[int, int]] = []  # (num_experts, top_k) per region
+        self.ep_sizes: list[int] = []  # expert-parallel group size per region
         name = [f"{type(op).__name__} (basic op {i} of the fuser)" for i, op in enumerate(ops)]
         state, router = "out", None
         for i, op in enumerate(ops):
@@ -94,7 +105,11 @@ class RoutingLayout:
                 raise RoutingError(f"{name[i]} has no Router before it in the same fuser" if state == "out" else
                                    f"{name[i]}: a second Dispatch after the one of {name[router]}")
             elif role == "dispatch":
-                state = "dispatched"
+                state, ep = "dispatched", getattr(op, "ep_size", 1)
+                self.ep_sizes.append(ep)
+                if ops[router].num_experts % ep:
+                    raise RoutingError(f"{name[i]}: the {ops[router].num_experts} experts of {name[router]} do not "
+                                       f"split evenly over its expert-parallel group of {ep} ranks")
             elif role == "combine" and state != "dispatched":
                 raise RoutingError(f"{name[i]} has no Dispatch (after a Router) before it in the same fuser")
             elif role == "combine":
@@ -102,11 +117,12 @@ class RoutingLayout:
             elif role is not None:
                 raise RoutingError(f"{name[i]}: unknown routing_role {role!r}")
             if state == "dispatched" and isinstance(op, GroupedLinear):
-                experts = ops[router].num_experts
-                if op.num_groups != experts:
+                experts, ep = ops[router].num_experts, self.ep_sizes[-1]
+                if op.num_groups != experts // ep:
+                    where = f" over an expert-parallel group of {ep} ranks ({experts // ep} local)" if ep > 1 else ""
                     raise RoutingError(f"{name[i]} is routed by {name[router]} but has {op.num_groups} groups "
-                                       f"for {experts} experts")
-                self.feeds[i] = ("split_sizes",)
+                                       f"for {experts} experts{where}")
+                self.feeds[i] = ("split_sizes",) if ep == 1 else ("local_split_sizes",)
             if role is not None or state != "out":
                 self.region[i] = len(self.layers) - 1
         if state != "out":
@@ -364,9 +380,29 @@ class Dispatch(BasicOperation):
     [T * k, H], row ``i`` = the token of copy ``perm[i]``; rows of expert 0 first, then expert 1...
     (``Routing.split_sizes`` rows each; tokens of one expert in token order). Backward sums each
     token's k copies' gradients in a fixed order. Needs a :class:`Router` before it and a
-    :class:`Combine` after it in the same fuser."""
+    :class:`Combine` after it in the same fuser.
+
+    ``ep_group``: a ``torch.distributed`` group for expert parallelism (``None`` or one rank: all
+    experts are local). With ``ep`` ranks, rank r owns experts ``[r * E / ep, (r + 1) * E / ep)``
+    (``E`` divisible by ``ep``; the routed ``GroupedLinear``\\ s have ``E / ep`` groups and hold
+    those experts' weights); the output is then the copies of the local experts from every rank,
+    local expert 0 first (from rank 0, 1, ...), then 1, ... (``Routing.local_split_sizes`` rows
+    each). The exchange (:mod:`~fusible_ops.ops.moe_ep`) is collective: every rank of the group
+    runs it, each with its own tokens; one host sync per forward; not graph-capturable. The
+    Router's weight is replicated: all-reduce its gradient over the ranks (data parallel)."""
 
     routing_role = "dispatch"
+
+    def __init__(self, ep_group=None) -> None:
+        super().__init__()
+        self.ep = GroupRef("Dispatch", ep_group, none_ok=True)
+
+    @property
+    def ep_size(self) -> int:
+        return self.ep.size
+
+    def extra_repr(self) -> str:
+        return f"ep_size={self.ep.size}, ep_rank={self.ep.rank}" if self.ep.size > 1 else ""
 
     @classmethod
     def _example(cls, n: int, **factory):
@@ -378,6 +414,9 @@ class Dispatch(BasicOperation):
             raise ValueError(f"Dispatch: the input has {x2d.shape[0]} rows but the Router routed "
                              f"{routing.num_tokens} tokens")
         routing.perm, routing.inv_perm = _permutation(routing)
+        if self.ep.size > 1:
+            routing.exchange = ExpertExchange.plan("Dispatch", self.ep, routing.split_sizes, x2d.shape[1], x2d.dtype)
+            routing.local_split_sizes = routing.exchange.local_counts
         return x2d
 
     def fuser_forward(self, ctxs, x, *, extra_inputs, routing: Routing = None, **kwargs):
@@ -387,14 +426,17 @@ class Dispatch(BasicOperation):
         ctx = ctxs[0]
         if ctx.input_requires_grad:
             ctx.save_for_backward(routing.inv_perm)
-            ctx.input_shape, ctx.top_k = x.shape, routing.top_k
-        return x2d.index_select(0, torch.div(routing.perm, routing.top_k, rounding_mode="floor")), [()]
+            ctx.input_shape, ctx.top_k, ctx.exchange = x.shape, routing.top_k, routing.exchange
+        y = x2d.index_select(0, torch.div(routing.perm, routing.top_k, rounding_mode="floor"))
+        return (y if routing.exchange is None else routing.exchange.to_experts(y)), [()]
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
         ctx = ctxs[0]
         if not ctx.input_requires_grad:
             return None, [()], [()]
         (inv,) = ctx.saved_tensors
+        if ctx.exchange is not None:
+            dy = ctx.exchange.from_experts(dy)
         h = dy.shape[-1]
         tokens = inv.numel() // ctx.top_k
         dx = dy.index_select(0, inv).view(tokens, ctx.top_k, h).sum(1)
@@ -402,7 +444,8 @@ class Dispatch(BasicOperation):
 
     def reference_forward(self, x, routing: Routing):
         x2d = self._rows(x, routing)
-        return x2d[torch.div(routing.perm, routing.top_k, rounding_mode="floor")]
+        y = x2d[torch.div(routing.perm, routing.top_k, rounding_mode="floor")]
+        return y if routing.exchange is None else to_experts_autograd(y, routing.exchange)
 
 
 class Combine(BasicOperation):
@@ -410,7 +453,11 @@ class Combine(BasicOperation):
     [T * k, H] in :class:`Dispatch`'s order, output [..., H] in the Router input's leading shape,
     ``y[t] = sum_j probs[t, j] * x[position of copy (t, j)]``. Backward gives the copies'
     gradient and, when the router needs it, the probabilities' gradient
-    ``dprobs[t, j] = <dy[t], x[position of copy (t, j)]>`` (handed to the Router)."""
+    ``dprobs[t, j] = <dy[t], x[position of copy (t, j)]>`` (handed to the Router).
+
+    After an expert-parallel :class:`Dispatch` the input is the local experts' rows; they go back
+    to their tokens' ranks first (the reverse all-to-all), so ``dprobs`` is computed on the
+    token's own rank; backward sends the copies' gradient to the experts' ranks."""
 
     routing_role = "combine"
 
@@ -431,14 +478,15 @@ class Combine(BasicOperation):
         _need_routing(self, routing)
         check_input(self, x)
         ctx = ctxs[0]
-        rows = self._copies(x, routing)
+        exchange = routing.exchange
+        rows = self._copies(x if exchange is None else exchange.from_experts(x, "Combine"), routing)
         p = routing.probs.to(x.dtype)
         y = torch.bmm(p.unsqueeze(1), rows).reshape(*routing.token_shape, rows.shape[-1])
         if ctx.requires_grad:
             ctx.probs_grad = routing.probs_grad
             ctx.save_for_backward(rows if ctx.probs_grad else None, p if ctx.input_requires_grad else None,
                                   routing.perm if ctx.input_requires_grad else None)
-            ctx.input_shape = x.shape
+            ctx.input_shape, ctx.exchange = x.shape, exchange
         return y, [()]
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, routing: Routing = None, **kwargs):
@@ -450,10 +498,13 @@ class Combine(BasicOperation):
             routing.dprobs = torch.bmm(rows, dy2.transpose(1, 2)).squeeze(-1).float()
         dx = None
         if ctx.input_requires_grad:
-            dx = (p.unsqueeze(-1) * dy2).reshape(-1, h).index_select(0, perm).reshape(ctx.input_shape)
+            dx = (p.unsqueeze(-1) * dy2).reshape(-1, h).index_select(0, perm)
+            dx = (dx if ctx.exchange is None else ctx.exchange.to_experts(dx)).reshape(ctx.input_shape)
         return dx, [()], [()]
 
     def reference_forward(self, x, routing: Routing):
+        if routing.exchange is not None:
+            x = from_experts_autograd(x.reshape(-1, x.shape[-1]), routing.exchange, "Combine")
         rows = self._copies(x, routing)
         y = (rows * routing.probs.to(x.dtype).unsqueeze(-1)).sum(1)
         return y.reshape(*routing.token_shape, rows.shape[-1])
