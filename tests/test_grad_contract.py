@@ -80,6 +80,9 @@ def _build(subject, seed=0):
                 pytest.fail(f"rule {what.name}: no _example of {m} matches the pattern")
             ops.append(op)
             n = n_out
+        if getattr(ops[0], "routing_role", None) == "dispatch":  # a MoE span runs between its Router and Combine
+            experts = next(op.num_groups for op in ops if isinstance(op, fo.GroupedLinear))
+            ops = [fo.Router(6, experts, top_k=2), *ops, fo.Combine()]
         seq = fo.Sequential(*ops)
         if what.name not in [r["rule"] for r in seq.fusion_plan("backward")]:  # declined in one CPU process
             seq.rules = _unchecked(what)  # (the comm-overlap rules: a one-rank group); the table tests the fused op

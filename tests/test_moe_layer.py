@@ -9,6 +9,8 @@ of that, inputs fed straight to a Router are checked to have no near-tie at the 
 
 import copy
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -293,11 +295,15 @@ def test_input_without_grad_and_inference():
 
 
 # ------------------------------------------------------------------------------- plan and errors
-def test_plan_fuses_the_expert_mlp():
+def test_plan_fuses_dispatch_and_the_expert_mlp():
     moe = _moe(4, 2)
     moe(_x((5, H)))
     for pass_ in ("forward", "backward"):
         assert [(r["op"], r["rule"]) for r in moe.fusion_plan(pass_)] == [
+            ("Router", None), ("DispatchGroupedMLP", "moe_dispatch_mlp"), ("Combine", None)]
+    with fo.fusion_rules.disabled("moe_dispatch_mlp"):
+        moe(_x((5, H)))
+        assert [(r["op"], r["rule"]) for r in moe.fusion_plan()] == [
             ("Router", None), ("Dispatch", None), ("FusedGroupedMLP", "grouped_mlp"), ("Combine", None)]
     text = moe.explain()
     assert ("MoE routing (4 experts, top_k=2): Router [0] -> Dispatch [1] -> routed GroupedLinear [2] -> routed "
@@ -478,3 +484,48 @@ def test_gpu_graph_replay_main_grad_and_delayed_wgrad(delayed):
     for t, i in zip(total, (0, 2, 4)):
         assert moe[i].weight.grad is None
         assert_close_scaled(moe[i].weight.main_grad, t, torch.bfloat16, f"main_grad of op {i}")
+
+
+def _saved_shapes(moe, x):
+    """Shapes of every tensor autograd keeps for backward during one forward."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, aux = moe(x)
+    return shapes, y, aux
+
+
+def test_dispatch_mlp_keeps_no_gathered_copy_and_matches_unfused():
+    """moe_dispatch_mlp drops the gathered [T * k, hidden] copy FC1's weight gradient would keep
+    (backward gathers again) and gives the unfused layer's results."""
+    moe = _moe(4, 2)
+    x = _x((37, H), seed=3).requires_grad_()
+    dy = torch.randn(37, H, generator=torch.Generator().manual_seed(4), dtype=x.dtype)
+    copies = (37 * 2, H)
+    runs = {}
+    for fused in (True, False):
+        ctx = contextlib.nullcontext() if fused else fo.fusion_rules.disabled("moe_dispatch_mlp")
+        with ctx:
+            shapes, y, aux = _saved_shapes(moe, x)
+            (y * dy).sum().add(aux).backward()
+            assert ("moe_dispatch_mlp" in [r["rule"] for r in moe.fusion_plan()]) == fused
+        runs[fused] = (shapes, y.detach(), x.grad.clone(), [p.grad.clone() for p in moe.parameters()])
+        x.grad = None
+        moe.zero_grad(set_to_none=True)
+    assert copies not in runs[True][0] and copies in runs[False][0]
+    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=0, atol=0)
+    torch.testing.assert_close(runs[True][2], runs[False][2], rtol=0, atol=0)
+    for a, b in zip(runs[True][3], runs[False][3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_dispatch_mlp_declines_under_fp8_with_a_reason():
+    moe = _moe(4, 2)
+    x = _x((16, H), seed=5)
+    with fo.autocast(recipe=fo.Float8CurrentScaling()):
+        text = moe.explain(x)
+    assert "moe_dispatch_mlp" in text and "FC1's weight gradient keeps FP8 copies" in text

@@ -130,7 +130,8 @@ def _same_tensor(a, b) -> bool:
             and a.stride() == b.stride())
 
 
-def _check(ops, ctx):
+def check_grouped_mlp(ops, ctx):
+    """The rule's checker: None, or why ``GroupedLinear -> GLU -> GroupedLinear`` does not fuse."""
     fc1, act, fc2 = ops
     if fc1.out_features != 2 * fc2.in_features:
         return f"FC1 out_features {fc1.out_features} != 2 x FC2 in_features {fc2.in_features}"
@@ -147,11 +148,11 @@ def _check(ops, ctx):
 def _check_forward_only(ops, ctx):
     if ctx.requires_grad:
         return "a backward will run: the joint rule 'grouped_mlp' covers training"
-    return _check(ops, ctx)
+    return check_grouped_mlp(ops, ctx)
 
 
 _PATTERN = [GroupedLinear, match((SwiGLU, GEGLU, ScaledSwiGLU)), GroupedLinear]
 RULES = [  # the built-in rules of this family (installed by fusible_ops/__init__.py)
-    rule("grouped_mlp", _PATTERN, pass_="joint", build=FusedGroupedMLP, check=_check),
+    rule("grouped_mlp", _PATTERN, pass_="joint", build=FusedGroupedMLP, check=check_grouped_mlp),
     rule("grouped_mlp_forward", _PATTERN, pass_="forward", build=FusedGroupedMLP, check=_check_forward_only),
 ]

@@ -408,6 +408,11 @@ class Dispatch(BasicOperation):
     def _example(cls, n: int, **factory):
         return cls(), n
 
+    @staticmethod
+    def gather_index(routing: Routing) -> torch.Tensor:
+        """The token (row of the input) of each output row, before any expert-parallel exchange."""
+        return torch.div(routing.perm, routing.top_k, rounding_mode="floor")
+
     def _rows(self, x, routing: Routing) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
         if x2d.shape[0] != routing.num_tokens:
@@ -427,7 +432,7 @@ class Dispatch(BasicOperation):
         if ctx.input_requires_grad:
             ctx.save_for_backward(routing.inv_perm)
             ctx.input_shape, ctx.top_k, ctx.exchange = x.shape, routing.top_k, routing.exchange
-        y = x2d.index_select(0, torch.div(routing.perm, routing.top_k, rounding_mode="floor"))
+        y = x2d.index_select(0, self.gather_index(routing))
         return (y if routing.exchange is None else routing.exchange.to_experts(y)), [()]
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
@@ -444,7 +449,7 @@ class Dispatch(BasicOperation):
 
     def reference_forward(self, x, routing: Routing):
         x2d = self._rows(x, routing)
-        y = x2d[torch.div(routing.perm, routing.top_k, rounding_mode="floor")]
+        y = x2d[self.gather_index(routing)]
         return y if routing.exchange is None else to_experts_autograd(y, routing.exchange)
 
 
