@@ -109,8 +109,9 @@ def main():
         dy = torch.randn(T, H, **BF)
         seq = ours(H, Fd, E, k)
         comp = Composition(seq, k)
-        variants = [("ours", seq, contextlib.nullcontext), ("ours, fusion disabled", seq,
-                    lambda: fo.fusion_rules.disabled(*fo.RuleSet.builtin().names())),
+        variants = [("ours", seq, contextlib.nullcontext),
+                    ("ours, moe_dispatch_mlp off", seq, lambda: fo.fusion_rules.disabled("moe_dispatch_mlp")),
+                    ("ours, fusion disabled", seq, lambda: fo.fusion_rules.disabled(*fo.RuleSet.builtin().names())),
                     ("composition eager", comp, contextlib.nullcontext),
                     ("composition compiled", torch.compile(comp), contextlib.nullcontext)]
         rows = []
