@@ -19,8 +19,8 @@ What must hold:
   stable ``argsort`` (tokens of one expert keep token order: deterministic), copies are gathered
   with ``index_select`` and summed back over ``top_k`` in a fixed order (no atomics).
 * Probabilities are float32 (the router's math is float32 whatever the activations' dtype);
-  ``Combine`` multiplies the expert outputs by them cast to the activations' dtype, in one
-  batched GEMM per call (float32 accumulation on CUDA). The auxiliary loss is a float32 scalar.
+  ``Combine`` weights the expert outputs by them in float32, summing each token's copies in one
+  pass (:mod:`fusible_ops.kernels.moe_combine`). The auxiliary loss is a float32 scalar.
 
 Expert parallel (``Dispatch(ep_group=group)``): each rank holds ``E / ep`` experts and exchanges
 token copies with all-to-all (:mod:`fusible_ops.ops.moe_ep`); that path syncs with the host once
@@ -37,6 +37,7 @@ import torch
 
 from ..grad import WeightGradMixin, deliver_weight_grad
 from ..kernels.gemm import linear_wgrad
+from ..kernels.moe_combine import combine_bwd, gather_sum
 from ..op import BasicOperation
 from .comm import GroupRef
 from .grouped_linear import GroupedLinear
@@ -163,8 +164,17 @@ def record_routing():
         _RECORDS.remove(log)
 
 
+def _lowp_cuda(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """16-bit CUDA operands of one dtype: the router's GEMMs run on tensor cores."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+
+
 def _router_logits(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x2d @ weight.T`` in float32 (float64 for float64 inputs, as the reference runs)."""
+    """``x2d @ weight.T`` in float32 (float64 for float64 inputs, as the reference runs). 16-bit
+    CUDA operands: one tensor-core GEMM with float32 accumulation and output (the same values as
+    float32 math on the 16-bit inputs, up to summation order)."""
+    if _lowp_cuda(x2d, weight):
+        return torch.mm(x2d, weight.t(), out_dtype=torch.float32)
     acc = torch.float64 if x2d.dtype == torch.float64 else torch.float32
     return x2d.to(acc) @ weight.to(acc).t()
 
@@ -359,6 +369,11 @@ class Router(WeightGradMixin, BasicOperation):
         if not (ctx.input_requires_grad or ctx.weight_grad):
             return None, [(None,)], [()]
         dl = self._dlogits(logits, ids, counts, routing.dprobs, daux)
+        # 16-bit CUDA: the logits' gradient is rounded to the activations' dtype and both GEMMs run
+        # on tensor cores with float32 accumulation (as autograd does for a 16-bit nn.Linear);
+        # elsewhere in float32 (float64 for float64).
+        if dl.is_cuda and self.weight.dtype in (torch.bfloat16, torch.float16):  # (x has the weight's dtype)
+            dl = dl.to(self.weight.dtype)
         dx = None
         if ctx.input_requires_grad:
             dx = (dl @ w.to(dl.dtype)).to(w.dtype).reshape(ctx.input_shape)
@@ -442,9 +457,7 @@ class Dispatch(BasicOperation):
         (inv,) = ctx.saved_tensors
         if ctx.exchange is not None:
             dy = ctx.exchange.from_experts(dy)
-        h = dy.shape[-1]
-        tokens = inv.numel() // ctx.top_k
-        dx = dy.index_select(0, inv).view(tokens, ctx.top_k, h).sum(1)
+        dx = gather_sum(dy.reshape(-1, dy.shape[-1]), inv.view(-1, ctx.top_k))  # each token's k copies, in order
         return dx.reshape(ctx.input_shape), [()], [()]
 
     def reference_forward(self, x, routing: Routing):
@@ -456,9 +469,12 @@ class Dispatch(BasicOperation):
 class Combine(BasicOperation):
     """Back to token order, weighted by the router probabilities, summed over ``top_k``: input
     [T * k, H] in :class:`Dispatch`'s order, output [..., H] in the Router input's leading shape,
-    ``y[t] = sum_j probs[t, j] * x[position of copy (t, j)]``. Backward gives the copies'
-    gradient and, when the router needs it, the probabilities' gradient
-    ``dprobs[t, j] = <dy[t], x[position of copy (t, j)]>`` (handed to the Router).
+    ``y[t] = sum_j probs[t, j] * x[position of copy (t, j)]`` (float32 probabilities and
+    accumulation, one pass: :func:`~fusible_ops.kernels.moe_combine.gather_sum`). Backward gives
+    the copies' gradient and, when the router needs it, the probabilities' gradient
+    ``dprobs[t, j] = <dy[t], x[position of copy (t, j)]>`` (handed to the Router), both in one
+    pass over ``dy`` (:func:`~fusible_ops.kernels.moe_combine.combine_bwd`); it keeps the input
+    only when the router needs ``dprobs``.
 
     After an expert-parallel :class:`Dispatch` the input is the local experts' rows; they go back
     to their tokens' ranks first (the reverse all-to-all), so ``dprobs`` is computed on the
@@ -470,47 +486,46 @@ class Combine(BasicOperation):
     def _example(cls, n: int, **factory):
         return cls(), n
 
-    def _copies(self, x, routing: Routing) -> torch.Tensor:
-        """x's rows in token-copy order, [T, k, H]."""
+    @staticmethod
+    def _rows(x, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x as [T * k, H] rows in Dispatch's order, the [T, k] row index of each token's copies)."""
         t, k = routing.num_tokens, routing.top_k
         x2d = x.reshape(-1, x.shape[-1])
         if x2d.shape[0] != t * k:
             raise ValueError(f"Combine: the input has {x2d.shape[0]} rows; the Router routed {t} tokens to "
                              f"top_k={k} experts each ({t * k} copies)")
-        return x2d.index_select(0, routing.inv_perm).view(t, k, x2d.shape[1])
+        return x2d, routing.inv_perm.view(t, k)
 
     def fuser_forward(self, ctxs, x, *, extra_inputs, routing: Routing = None, **kwargs):
         _need_routing(self, routing)
         check_input(self, x)
         ctx = ctxs[0]
         exchange = routing.exchange
-        rows = self._copies(x if exchange is None else exchange.from_experts(x, "Combine"), routing)
-        p = routing.probs.to(x.dtype)
-        y = torch.bmm(p.unsqueeze(1), rows).reshape(*routing.token_shape, rows.shape[-1])
+        x2d, index = self._rows(x if exchange is None else exchange.from_experts(x, "Combine"), routing)
+        y = gather_sum(x2d, index, routing.probs).reshape(*routing.token_shape, x2d.shape[1])
         if ctx.requires_grad:
             ctx.probs_grad = routing.probs_grad
-            ctx.save_for_backward(rows if ctx.probs_grad else None, p if ctx.input_requires_grad else None,
-                                  routing.perm if ctx.input_requires_grad else None)
+            ctx.save_for_backward(x2d if ctx.probs_grad else None,
+                                  routing.probs if ctx.input_requires_grad else None, index)
             ctx.input_shape, ctx.exchange = x.shape, exchange
         return y, [()]
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, routing: Routing = None, **kwargs):
         ctx = ctxs[0]
-        rows, p, perm = ctx.saved_tensors
-        h = ctx.input_shape[-1]
-        dy2 = dy.reshape(-1, 1, h)
+        rows, p, index = ctx.saved_tensors
+        dx, dprobs = combine_bwd(dy.reshape(-1, ctx.input_shape[-1]), rows if ctx.probs_grad else None, index,
+                                 p if ctx.input_requires_grad else None)
         if ctx.probs_grad:
-            routing.dprobs = torch.bmm(rows, dy2.transpose(1, 2)).squeeze(-1).float()
-        dx = None
-        if ctx.input_requires_grad:
-            dx = (p.unsqueeze(-1) * dy2).reshape(-1, h).index_select(0, perm)
+            routing.dprobs = dprobs
+        if dx is not None:
             dx = (dx if ctx.exchange is None else ctx.exchange.to_experts(dx)).reshape(ctx.input_shape)
         return dx, [()], [()]
 
     def reference_forward(self, x, routing: Routing):
         if routing.exchange is not None:
             x = from_experts_autograd(x.reshape(-1, x.shape[-1]), routing.exchange, "Combine")
-        rows = self._copies(x, routing)
+        x2d, index = self._rows(x, routing)
+        rows = x2d[index]  # [T, k, H]
         y = (rows * routing.probs.to(x.dtype).unsqueeze(-1)).sum(1)
         return y.reshape(*routing.token_shape, rows.shape[-1])
 

@@ -1,0 +1,244 @@
+"""Token-copy gather-sum kernels of a MoE layer (Triton), beside pure-torch ``*_ref`` twins.
+
+A routed layer holds ``k`` copies of each of ``T`` tokens in an expert-ordered ``[N, H]`` tensor
+(``N = T * k``): copy ``j`` of token ``t`` is row ``index[t, j]`` (``index`` [T, k] int64, a
+permutation of ``0..N-1``, e.g. :class:`~fusible_ops.ops.moe.Routing`'s ``inv_perm`` viewed as
+[T, k]).
+
+* :func:`gather_sum` -- ``out[t] = sum_j w[t, j] * src[index[t, j]]`` (``w`` None: weights 1).
+  :class:`~fusible_ops.ops.moe.Combine`'s forward (``w`` = the router probabilities) and
+  :class:`~fusible_ops.ops.moe.Dispatch`'s backward (no weights). One pass: the [T, k, H]
+  copy in token order is never written.
+* :func:`combine_bwd` -- Combine's backward in one pass over ``dy``:
+  ``dsrc[index[t, j]] = w[t, j] * dy[t]`` and ``dprobs[t, j] = <dy[t], src[index[t, j]]>``
+  (either can be skipped).
+
+Math in float32 (float64 for float64 inputs, which run the ``*_ref``); the sum over ``j`` runs
+in a fixed order (deterministic, no atomics); no host sync; one launch each. ``w`` stays float32
+(the router's precision), the outputs take the activations' dtype (``dprobs``: float32).
+What must hold (not checked: a check would sync): ``index`` values are in ``[0, N)``; for
+:func:`combine_bwd` ``index`` is a permutation (every row of ``dsrc`` is written exactly once).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import HAS_TRITON, use_triton
+from .launch import TRITON_DTYPES, DirectKernel, cdiv, compute_dtype, geometry_cache, kernel_op, next_pow2, \
+    remember
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gather_sum_kernel(
+        src_ptr, idx_ptr, w_ptr, out_ptr,  # src [N, H] (row stride s_src), idx/w [T, K], out [T, H]
+        T, H, s_src, s_out,
+        K: tl.constexpr, HAS_W: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+    ):
+        """Grid (cdiv(T, BT), cdiv(H, BH)): out[t, h-block] = sum_j w[t, j] * src[idx[t, j], h-block]."""
+        offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+        offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+        tmask = offs_t < T
+        mask = tmask[:, None] & (offs_h < H)[None, :]
+        t64 = offs_t.to(tl.int64)
+        acc = tl.zeros((BT, BH), dtype=tl.float32)
+        for j in tl.static_range(K):
+            row = tl.load(idx_ptr + t64 * K + j, mask=tmask, other=0)
+            v = tl.load(src_ptr + row.to(tl.int64)[:, None] * s_src + offs_h[None, :], mask=mask, other=0.0)
+            if HAS_W:
+                w = tl.load(w_ptr + t64 * K + j, mask=tmask, other=0.0)
+                acc += v.to(tl.float32) * w[:, None]
+            else:
+                acc += v.to(tl.float32)
+        tl.store(out_ptr + t64[:, None] * s_out + offs_h[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _combine_bwd_kernel(
+        dy_ptr, src_ptr, idx_ptr, w_ptr, dsrc_ptr, dp_ptr,  # dy [T, H], src/dsrc [N, H], idx/w/dp [T, K]
+        T, H, s_dy, s_src, s_dsrc,
+        K: tl.constexpr, KP: tl.constexpr, DSRC: tl.constexpr, DPROBS: tl.constexpr,
+        BT: tl.constexpr, BH: tl.constexpr,
+    ):
+        """Grid (cdiv(T, BT),): each program walks its tokens' rows of dy once (h-blocks), writing
+        the k scaled copies and accumulating the k dot products."""
+        offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+        tmask = offs_t < T
+        t64 = offs_t.to(tl.int64)
+        cols = tl.arange(0, KP)
+        dp = tl.zeros((BT, KP), dtype=tl.float32)
+        for h0 in range(0, H, BH):
+            offs_h = h0 + tl.arange(0, BH)
+            mask = tmask[:, None] & (offs_h < H)[None, :]
+            g = tl.load(dy_ptr + t64[:, None] * s_dy + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+            for j in tl.static_range(K):
+                row = tl.load(idx_ptr + t64 * K + j, mask=tmask, other=0).to(tl.int64)
+                if DSRC:
+                    w = tl.load(w_ptr + t64 * K + j, mask=tmask, other=0.0)
+                    tl.store(dsrc_ptr + row[:, None] * s_dsrc + offs_h[None, :],
+                             (g * w[:, None]).to(dsrc_ptr.dtype.element_ty), mask=mask)
+                if DPROBS:
+                    v = tl.load(src_ptr + row[:, None] * s_src + offs_h[None, :], mask=mask, other=0.0)
+                    d = tl.sum(v.to(tl.float32) * g, axis=1)
+                    dp = tl.where(cols[None, :] == j, dp + d[:, None], dp)
+        if DPROBS:
+            tl.store(dp_ptr + t64[:, None] * K + cols[None, :], dp, mask=tmask[:, None] & (cols < K)[None, :])
+
+    _GATHER_SUM = DirectKernel(_gather_sum_kernel)
+    _COMBINE_BWD = DirectKernel(_combine_bwd_kernel)
+
+GATHER_TILE = 4096  # elements per gather-sum program (tests shrink the tiles to get many programs)
+BWD_TILE = 2048
+MAX_BH = 256
+_GEOMETRY = geometry_cache()
+
+
+def _geometry(kind: str, t: int, h: int, on_cpu: bool) -> tuple:
+    """(BT, BH, num_warps) per (kind, T, H): ``BH`` columns of ``BT`` tokens per step."""
+    key = (kind, t, h, on_cpu)
+    g = _GEOMETRY.get(key)
+    if g is None:
+        cap = 16 if on_cpu else MAX_BH
+        bh = max(16, min(next_pow2(h), cap))
+        bt = max(1, min(next_pow2(max(t, 1)), (GATHER_TILE if kind == "fwd" else BWD_TILE) // bh))
+        g = remember(_GEOMETRY, key, (bt, bh, 8 if bt * bh >= 4096 else 4))
+    return g
+
+
+def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
+    """``x`` ([rows, H]) with unit column stride (a copy only when it has another)."""
+    if x.dim() != 2:
+        raise ValueError(f"{what} must be 2-D [rows, H], got {list(x.shape)}")
+    return x.contiguous() if x.shape[1] > 1 and x.stride(1) != 1 else x
+
+
+def _check(index: torch.Tensor, n_rows: int, *others) -> tuple[int, int]:
+    if index.dim() != 2 or index.dtype != torch.int64:
+        raise ValueError(f"index must be [T, k] int64, got {list(index.shape)} {index.dtype}")
+    t, k = index.shape
+    if t * k != n_rows:
+        raise ValueError(f"index [T, k] = {list(index.shape)} does not match the {n_rows} copies")
+    for o in others:
+        if o is not None and o.shape != index.shape:
+            raise ValueError(f"weights/probabilities must have index's shape {list(index.shape)}, got {list(o.shape)}")
+    return t, k
+
+
+@kernel_op("fusible_ops::moe_gather_sum", mutates_args=())
+def _gather_sum_op(src: torch.Tensor, index: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+    t, k = index.shape
+    h = src.shape[1]
+    out = torch.empty((t, h), dtype=src.dtype, device=src.device)
+    if t == 0 or h == 0:
+        return out
+    bt, bh, warps = _geometry("fwd", t, h, not src.is_cuda)
+    idx, w = index.contiguous(), None if weight is None else weight.contiguous()
+    args = (src, idx, idx if w is None else w, out, t, h, src.stride(0), out.stride(0))
+    meta = dict(K=k, HAS_W=w is not None, BT=bt, BH=bh, num_warps=warps)
+    key = (src.device, src.dtype, args[2].dtype, t, h, src.stride(0), *meta.values())
+    _GATHER_SUM((cdiv(t, bt), cdiv(h, bh)), key, args, meta)
+    return out
+
+
+@_gather_sum_op.register_fake
+def _(src, index, weight):
+    return src.new_empty((index.shape[0], src.shape[1]))
+
+
+@kernel_op("fusible_ops::moe_combine_bwd", mutates_args=())
+def _combine_bwd_op(dy: torch.Tensor, src: Optional[torch.Tensor], index: torch.Tensor,
+                    weight: Optional[torch.Tensor], n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t, k = index.shape
+    h = dy.shape[1]
+    dsrc = torch.empty((n_rows if weight is not None else 0, h), dtype=dy.dtype, device=dy.device)
+    dp = torch.empty((t, k) if src is not None else (0, k), dtype=torch.float32, device=dy.device)
+    if t == 0 or (weight is None and src is None):
+        return dsrc, (dp.zero_() if src is not None else dp)
+    if h == 0:
+        return dsrc, dp.zero_()
+    bt, bh, warps = _geometry("bwd", t, h, not dy.is_cuda)
+    idx = index.contiguous()
+    w = idx if weight is None else weight.contiguous()
+    s = dy if src is None else src
+    ds = dy if weight is None else dsrc
+    args = (dy, s, idx, w, ds, dp if src is not None else w, t, h, dy.stride(0), s.stride(0), ds.stride(0))
+    meta = dict(K=k, KP=max(2, next_pow2(k)), DSRC=weight is not None, DPROBS=src is not None, BT=bt, BH=bh,
+                num_warps=warps)
+    key = (dy.device, dy.dtype, s.dtype, w.dtype, t, h, dy.stride(0), s.stride(0), ds.stride(0), *meta.values())
+    _COMBINE_BWD((cdiv(t, bt),), key, args, meta)
+    return dsrc, dp
+
+
+@_combine_bwd_op.register_fake
+def _(dy, src, index, weight, n_rows):
+    t, k = index.shape
+    return (dy.new_empty((n_rows if weight is not None else 0, dy.shape[1])),
+            dy.new_empty((t, k) if src is not None else (0, k), dtype=torch.float32))
+
+
+# ----------------------------------------------------------------------------- public API
+def gather_sum(src: torch.Tensor, index: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out[t] = sum_j weight[t, j] * src[index[t, j]]`` ([T, H] in src's dtype; module doc).
+
+    src [N, H] with ``N = T * k``, index [T, k] int64 (values in [0, N)), weight [T, k] (float32,
+    the router's probabilities) or None for a plain sum of the k copies.
+    """
+    src = _rows(src, "src")
+    _check(index, src.shape[0], weight)
+    if use_triton(src, index, weight) and src.dtype in TRITON_DTYPES:
+        return _gather_sum_op(src, index, weight)
+    return gather_sum_ref(src, index, weight)
+
+
+def combine_bwd(dy: torch.Tensor, src: Optional[torch.Tensor], index: torch.Tensor,
+                weight: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Combine's backward (module doc): ``(dsrc [N, H] in dy's dtype, dprobs [T, k] float32)``.
+
+    dy [T, H]; src [N, H] (Combine's input; None: no ``dprobs``); index [T, k] int64, a
+    permutation of the N = T * k rows; weight [T, k] (None: no ``dsrc``).
+    """
+    dy = _rows(dy, "dy")
+    t, k = _check(index, dy.shape[0] * index.shape[1], weight)
+    if src is not None:
+        src = _rows(src, "src")
+        if src.shape != (t * k, dy.shape[1]):
+            raise ValueError(f"src must be [{t * k}, {dy.shape[1]}], got {list(src.shape)}")
+    if use_triton(dy, src, index, weight) and dy.dtype in TRITON_DTYPES:
+        dsrc, dp = _combine_bwd_op(dy, src, index, weight, t * k)
+        return (dsrc if weight is not None else None), (dp if src is not None else None)
+    return combine_bwd_ref(dy, src, index, weight)
+
+
+# ----------------------------------------------------------------------------- references
+def gather_sum_ref(src: torch.Tensor, index: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Pure-torch twin of :func:`gather_sum` (the [T, k, H] copy is materialized)."""
+    t, k = index.shape
+    acc = compute_dtype(src.dtype)
+    rows = src.index_select(0, index.reshape(-1)).view(t, k, src.shape[1]).to(acc)
+    if weight is not None:
+        rows = rows * weight.to(acc).unsqueeze(-1)
+    return rows.sum(1).to(src.dtype)
+
+
+def combine_bwd_ref(dy: torch.Tensor, src: Optional[torch.Tensor], index: torch.Tensor,
+                    weight: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Pure-torch twin of :func:`combine_bwd`."""
+    t, k = index.shape
+    acc = compute_dtype(dy.dtype)
+    h = dy.shape[1]
+    g = dy.to(acc).unsqueeze(1)  # [T, 1, H]
+    dsrc = dprobs = None
+    if weight is not None:
+        copies = (weight.to(acc).unsqueeze(-1) * g).reshape(t * k, h).to(dy.dtype)
+        dsrc = torch.empty_like(copies).index_copy_(0, index.reshape(-1), copies)
+    if src is not None:
+        rows = src.index_select(0, index.reshape(-1)).view(t, k, h).to(acc)
+        dprobs = (rows * g).sum(-1).to(torch.float32 if acc == torch.float32 else acc)
+    return dsrc, dprobs
+
+
+__all__ = ["combine_bwd", "combine_bwd_ref", "gather_sum", "gather_sum_ref"]

@@ -1,0 +1,130 @@
+"""MoE gather-sum kernels (fusible_ops.kernels.moe_combine): Triton vs ref vs float64 math.
+
+CPU: the Triton path runs under the interpreter (no dots here, so bf16 too), tiles shrunk so that
+several programs and column steps run. GPU (marked ``gpu``): larger odd sizes, strided inputs.
+"""
+
+import pytest
+import torch
+
+import fusible_ops.kernels as K
+from fusible_ops.kernels import moe_combine as mc
+from fusible_ops.testing import assert_close
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiny tiles on CPU: many token programs and several column steps per program."""
+    monkeypatch.setattr(mc, "GATHER_TILE", 64)
+    monkeypatch.setattr(mc, "BWD_TILE", 32)
+
+
+def _case(t, k, h, dtype, device=DEV, seed=0, strided=False):
+    g = torch.Generator().manual_seed(seed)
+    n = t * k
+    index = torch.randperm(n, generator=g).view(t, k)
+    w = torch.rand(t, k, generator=g)
+    src = torch.randn(n, h + 3 if strided else h, generator=g)
+    src = (src[:, :h] if strided else src).to(device, dtype)
+    dy = torch.randn(t, h, generator=g).to(device, dtype)
+    return src, index.to(device), w.to(device), dy
+
+
+def _expected(src, index, w, dy):
+    """float64: (gather-sum, dsrc, dprobs)."""
+    s, i, wd, g = src.double().cpu(), index.cpu(), w.double().cpu(), dy.double().cpu()
+    rows = s[i]  # [T, k, H]
+    out = (rows * wd[..., None]).sum(1)
+    dsrc = torch.empty_like(s)
+    dsrc[i.reshape(-1)] = (wd[..., None] * g[:, None, :]).reshape(-1, s.shape[1])
+    return out, dsrc, (rows * g[:, None, :]).sum(-1)
+
+
+def _run(fn, mode, *args):
+    with K.use(mode):
+        return fn(*args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,k,h", [(1, 1, 1), (7, 3, 37), (33, 8, 19), (5, 2, 64)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_gather_sum_triton_and_ref_match_float64(dtype, t, k, h, strided, small_tiles):
+    src, index, w, dy = _case(t, k, h, dtype, strided=strided)
+    out64, _, _ = _expected(src, index, w, dy)
+    for mode in ("triton", "reference"):
+        out = _run(mc.gather_sum, mode, src, index, w)
+        assert out.dtype == dtype and out.shape == (t, h)
+        assert_close(out, out64, msg=f"{mode} weighted")
+        plain = _run(mc.gather_sum, mode, src, index, None)
+        assert_close(plain, src.double().cpu()[index.cpu()].sum(1), msg=f"{mode} unweighted")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,k,h", [(1, 1, 1), (7, 3, 37), (33, 8, 19)])
+@pytest.mark.parametrize("want", ["both", "dsrc", "dprobs"])
+def test_combine_bwd_triton_and_ref_match_float64(dtype, t, k, h, want, small_tiles):
+    src, index, w, dy = _case(t, k, h, dtype, seed=1, strided=True)
+    _, dsrc64, dp64 = _expected(src, index, w, dy)
+    for mode in ("triton", "reference"):
+        dsrc, dp = _run(mc.combine_bwd, mode, dy, src if want != "dsrc" else None, index,
+                        w if want != "dprobs" else None)
+        if want == "dprobs":
+            assert dsrc is None
+        else:
+            assert dsrc.dtype == dtype and dsrc.shape == src.shape
+            assert_close(dsrc, dsrc64, msg=f"{mode} dsrc")
+        if want == "dsrc":
+            assert dp is None
+        else:
+            assert dp.dtype == torch.float32 and dp.shape == (t, k)
+            # a dot over h products of rounded inputs: the fp32 table of the inputs' dtype
+            assert_close(dp, dp64, dtype, msg=f"{mode} dprobs")
+
+
+def test_empty_tokens_and_empty_features():
+    for t, h in ((0, 5), (3, 0)):
+        src, index, w, dy = _case(t, 2, h, torch.float32)
+        for mode in ("triton", "reference"):
+            assert _run(mc.gather_sum, mode, src, index, w).shape == (t, h)
+            dsrc, dp = _run(mc.combine_bwd, mode, dy, src, index, w)
+            assert dsrc.shape == (2 * t, h) and dp.shape == (t, 2)
+            assert torch.equal(dp, torch.zeros(t, 2))
+
+
+def test_float64_runs_the_reference_exactly():
+    src, index, w, dy = _case(6, 3, 10, torch.float64)
+    out64, dsrc64, dp64 = _expected(src, index, w, dy)
+    with K.use("triton"):
+        out = mc.gather_sum(src, index, w)
+        dsrc, dp = mc.combine_bwd(dy, src, index, w)
+    torch.testing.assert_close(out.cpu(), out64)
+    torch.testing.assert_close(dsrc.cpu(), dsrc64)
+    torch.testing.assert_close(dp.cpu(), dp64)
+
+
+def test_bad_shapes_raise():
+    src, index, w, dy = _case(4, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match="does not match the 7 copies"):
+        mc.gather_sum(src[:7], index, w)
+    with pytest.raises(ValueError, match=r"index must be \[T, k\] int64"):
+        mc.gather_sum(src, index.to(torch.int32), w)
+    with pytest.raises(ValueError, match="must have index's shape"):
+        mc.gather_sum(src, index, w[:, :1])
+    with pytest.raises(ValueError, match="src must be"):
+        mc.combine_bwd(dy, src[:, :4], index, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("t,k,h", [(1000, 8, 1536), (333, 2, 4100), (5, 1, 7)])
+def test_gpu_odd_sizes(dtype, t, k, h):
+    src, index, w, dy = _case(t, k, h, dtype, strided=True)
+    out64, dsrc64, dp64 = _expected(src, index, w, dy)
+    assert_close(mc.gather_sum(src, index, w), out64)
+    dsrc, dp = mc.combine_bwd(dy, src, index, w)
+    assert_close(dsrc, dsrc64)
+    assert_close(dp, dp64, dtype)
