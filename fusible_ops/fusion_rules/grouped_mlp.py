@@ -25,6 +25,7 @@ from ..ops.activation import GEGLU, ScaledSwiGLU, SwiGLU
 from ..ops.fp8_grouped import grouped_recipe
 from ..quantization.recipes import Float8BlockScaling
 from ..ops.grouped_linear import GroupedLinear, check_split_sizes
+from ..ops.validation import check_input
 from .fp8_grouped_mlp import fp8_mlp_backward, fp8_mlp_forward
 from ..rules import match, rule
 
@@ -39,12 +40,22 @@ class FusedGroupedMLP(FusedOperation):
     """Forward and backward of ``GroupedLinear -> GLU -> GroupedLinear`` (in FP8 under a
     per-tensor autocast recipe: :mod:`fusible_ops.fusion_rules.fp8_grouped_mlp`)."""
 
-    def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
+    def fuser_forward(self, ctxs, x, *, extra_inputs, gather=None, **kwargs):
+        """``gather`` (from :class:`~fusible_ops.fusion_rules.moe_mlp.DispatchGroupedMLP`): [M]
+        int64, row r of FC1's input is ``x[gather[r]]`` (x: the tokens), read inside FC1's forward
+        kernel; the tokens, not the rows, are kept for FC1's weight gradient, which gathers them
+        again; not under FP8. Without it ``x`` is FC1's input."""
         gg, gm = _mlp()
         fc1, act, fc2 = self.basic_ops
         c1, ca, c2 = ctxs
         scaled = isinstance(act, ScaledSwiGLU)
-        x2d, splits = fc1.prepare(x, extra_inputs[0][0])
+        if gather is None:
+            x2d, splits = fc1.prepare(x, extra_inputs[0][0])
+        else:  # x: the tokens; the grouped rows are x[gather]
+            check_input(fc1, x, features=fc1.in_features, like=fc1.weight)
+            x2d = x.reshape(-1, fc1.in_features)
+            splits = check_split_sizes(fc1, extra_inputs[0][0], fc1.num_groups, gather.shape[0], x.device)
+            x = x2d.new_empty(()).expand(gather.shape[0], fc1.in_features)  # FC1's input shape (no alloc)
         s2 = extra_inputs[2][0]
         if not _same_tensor(s2, extra_inputs[0][0]):
             splits2 = check_split_sizes(fc2, s2, fc2.num_groups, x2d.shape[0], x.device)
@@ -56,18 +67,21 @@ class FusedGroupedMLP(FusedOperation):
         if scaled:
             given = extra_inputs[1][0]
             act.check_scales(x.new_empty(()).expand(*x.shape[:-1], 2 * fc2.in_features), given)  # no alloc
-            scales = given.reshape(x2d.shape[0])
+            scales = given.reshape(x.shape[:-1].numel())
             ca.scales_shape = given.shape
         recipe = grouped_recipe()
         if recipe is not None:
+            if gather is not None:
+                raise AssertionError("FusedGroupedMLP: gathered input under FP8 (the rule must decline)")
             out = fp8_mlp_forward(self, ctxs, x2d, splits, scales, recipe)
             c1.input_shape = x.shape
             return out.reshape(*x.shape[:-1], fc2.out_features), [(), (), ()]
         c1.fp8 = None
-        y, h = gm.grouped_glu_fwd(x2d, fc1.weight, splits, fc1.bias, act.kind, scales)
+        y, h = gm.grouped_glu_fwd(x2d, fc1.weight, splits, fc1.bias, act.kind, scales, gather)
         out = gg.grouped_gemm_fwd(y, fc2.weight, splits, fc2.bias)
         if c1.requires_grad:
-            fc1.save_ctx(c1, x2d, splits, x.shape)
+            fc1.save_ctx(c1, x2d, splits, x.shape)  # (with gather: the tokens, not a gathered copy)
+            c1.gather = gather
             ca.save_for_backward(h, scales)
             ca.scales_grad = scaled and scales.requires_grad
             fc2.save_ctx(c2, None, splits, y.shape)  # FC2's input y is recomputed in backward
@@ -110,6 +124,8 @@ class FusedGroupedMLP(FusedOperation):
             dx = gg.grouped_gemm_dgrad(dh, w1, splits)
         dw1 = None
         if c1.weight_grad:
+            if c1.gather is not None:  # the token copies, gathered again just for this GEMM (see moe_mlp)
+                x2d = x2d.index_select(0, c1.gather)
             dw1 = deliver_weight_grad(fc1, fc1.weight,
                                       lambda out, acc: gg.grouped_gemm_wgrad(dh, x2d, splits, out=out, accumulate=acc))
         db1 = gg.grouped_bias_grad(dh, splits) if c1.bias_grad else None

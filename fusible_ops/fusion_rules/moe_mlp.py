@@ -3,17 +3,20 @@ GroupedLinear`` (the routed experts of :mod:`fusible_ops.ops.moe`), memory-minim
 
 Joint rule ``moe_dispatch_mlp`` (training; the forward and backward are equivalent only as a pair):
 
-* forward: the token copies are gathered (Dispatch), the fused grouped MLP runs on them
-  (:class:`~fusible_ops.fusion_rules.grouped_mlp.FusedGroupedMLP`), and the gathered copy
-  [T * k, hidden], which FC1's weight gradient would otherwise keep until backward, is dropped:
-  backward keeps the tokens themselves (which the layer's caller holds anyway) and the gather index.
-* backward: the gather is redone (one ``index_select``) just before FC1's weight gradient; then
-  Dispatch's backward sums each token's copies' gradients.
+* forward: no gathered copy of the tokens is ever written: FC1's kernel (GLU in its epilogue,
+  :func:`~fusible_ops.kernels.grouped_glu.grouped_glu_fwd` with ``gather``) reads each token
+  copy's row straight from the tokens inside its mainloop; then FC2 as in the fused grouped MLP
+  (:class:`~fusible_ops.fusion_rules.grouped_mlp.FusedGroupedMLP`).
+* backward: the copies are gathered again (one ``index_select``) just for FC1's weight gradient,
+  which reads them through TMA (a weight-gradient kernel that gathered inside its mainloop, with
+  pointer loads, measured ~1.4x slower, a net loss on the larger MoE shapes of issue 13: H200,
+  2026-11-25); then Dispatch's backward sums each token's copies' gradients (one gather-sum pass).
 
-What it trades: activation memory of T * k * hidden elements per layer, for one gather in
-backward. It declines (``explain()`` says why) where the grouped MLP declines, under FP8 autocast
-(FC1's weight gradient keeps FP8 copies there, not the gathered input), and for an
-expert-parallel Dispatch (its copies come from an all-to-all, not a local gather).
+What it saves: the [T * k, hidden] copy in the forward's peak and in what backward keeps (the
+tokens, which the layer's caller holds anyway, and the gather index are kept instead), and the
+forward's gather pass. It declines (``explain()`` says why) where the grouped MLP
+declines, under FP8 autocast (FC1's FP8 kernels read a cast copy), and for an expert-parallel
+Dispatch (its copies come from an all-to-all, not a local gather).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from .grouped_mlp import FusedGroupedMLP, check_grouped_mlp
 
 
 class DispatchGroupedMLP(FusedOperation):
-    """``Dispatch`` + the fused grouped MLP, keeping no gathered copy for backward (module doc)."""
+    """``Dispatch`` + the fused grouped MLP with the gather inside FC1's kernels (module doc)."""
 
     def __init__(self, ops) -> None:
         super().__init__(ops)
@@ -35,24 +38,14 @@ class DispatchGroupedMLP(FusedOperation):
 
     def fuser_forward(self, ctxs, x, *, extra_inputs, routing=None, **kwargs):
         dispatch = self.basic_ops[0]
-        cd, c1 = ctxs[0], ctxs[1]
-        xp, _ = dispatch.fuser_forward([cd], x, extra_inputs=[()], routing=routing)
-        y, _ = self._mlp.fuser_forward(ctxs[1:], xp, extra_inputs=extra_inputs[1:], **kwargs)
-        cd.regather = c1.requires_grad and c1.fp8 is None and c1.weight_grad
-        if cd.regather:  # FC1 kept the gathered copy for its weight gradient: keep the tokens instead
-            c1.save_for_backward(None, *c1.saved_tensors[1:])
-            cd.save_for_backward(*cd.saved_tensors, x.reshape(-1, x.shape[-1]), dispatch.gather_index(routing))
+        tokens = dispatch.begin(ctxs[0], x, routing)
+        y, _ = self._mlp.fuser_forward(ctxs[1:], tokens, extra_inputs=extra_inputs[1:],
+                                       gather=dispatch.gather_index(routing), **kwargs)
         return y, [(), (), (), ()]
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
-        dispatch = self.basic_ops[0]
-        cd, c1 = ctxs[0], ctxs[1]
-        if cd.regather:
-            *kept, tokens, index = cd.saved_tensors
-            c1._saved = (tokens.index_select(0, index), *c1.saved_tensors[1:])
-            cd._saved = tuple(kept)
         dxp, pgrads, gextra = self._mlp.fuser_backward(ctxs[1:], dy, grad_extra_outputs=grad_extra_outputs[1:])
-        dx, _, _ = dispatch.fuser_backward([cd], dxp, grad_extra_outputs=[()])
+        dx, _, _ = self.basic_ops[0].fuser_backward([ctxs[0]], dxp, grad_extra_outputs=[()])
         return dx, [(), *pgrads], [(), *gextra]
 
 
@@ -60,7 +53,7 @@ def _check(ops, ctx):
     if ops[0].ep_size > 1:
         return "expert-parallel Dispatch: its token copies come from an all-to-all, not a local gather"
     if ctx.recipe is not None:
-        return "FP8 autocast: FC1's weight gradient keeps FP8 copies, not the gathered input"
+        return "FP8 autocast: FC1's FP8 kernels read a cast copy of the token copies, not the tokens"
     return check_grouped_mlp(ops[1:], ctx)
 
 

@@ -53,6 +53,7 @@ if HAS_TRITON:
         bias_ptr,  # [G, 2F] or dummy
         scale_ptr,  # [M] or dummy
         split_ptr,  # [G] int64
+        gidx_ptr,  # GATHER: [M] int64, the row of x each row reads (or a dummy)
         sx_ptr, sw_ptr, amax_ptr,  # FP8: fp32 scale_inv of x and w1, fp32 [1] raised to max|y| (or dummies)
         M, F, K, G,
         s_xm, s_xk, s_wg, s_wn, s_wk, s_hm, s_hn, s_ym, s_yn, s_bg, s_bn, s_s,
@@ -61,13 +62,15 @@ if HAS_TRITON:
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
         PPS: tl.constexpr = 1,  # programs per SM (read by the grid)
         FP8: tl.constexpr = False,  # x, w1 are FP8 with per-tensor scales; the amax of y is taken
+        GATHER: tl.constexpr = False,  # row r reads x[gidx[r]] (pointer loads; the weights still use TMA)
     ):
         """h = x_g @ w1[g].T (+ b1[g]); y = act(h_a) * h_b (* scale); persistent over all tiles."""
         if FP8:
             deq = tl.load(sx_ptr).to(tl.float32) * tl.load(sw_ptr).to(tl.float32)
         gi, start, m, tiles, tile_end, total, TILES_N = tile_space(split_ptr, G, M, F, G_P2, BM, BN)
         if USE_TMA:
-            x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[s_xm, 1], block_shape=[BM, BK])
+            if not GATHER:
+                x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[s_xm, 1], block_shape=[BM, BK])
             w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, 2 * F, K], strides=[s_wg, s_wn, 1],
                                                block_shape=[1, BN, BK])
         # plain range: tl.range(flatten=False) costs 33 KB more shared memory here (Triton 3.6)
@@ -75,17 +78,24 @@ if HAS_TRITON:
             g, row0, rows, rmask, n0, offs_n, nmask = tile_coords(t, gi, start, m, tile_end, tiles, TILES_N, F,
                                                                   BM, BN, GROUP_M)
             rows = rows.to(tl.int64)
+            src = tl.load(gidx_ptr + rows, mask=rmask, other=0) if GATHER else rows
             acc_a = tl.zeros((BM, BN), dtype=tl.float32)
             acc_b = tl.zeros((BM, BN), dtype=tl.float32)
             if USE_TMA:
+                if GATHER:
+                    x_row = x_ptr + src[:, None] * s_xm
                 for k0 in range(0, K, BK):
-                    a = x_desc.load([row0, k0])
+                    if GATHER:
+                        offs_k = k0 + tl.arange(0, BK)
+                        a = tl.load(x_row + offs_k[None, :], mask=rmask[:, None] & (offs_k < K)[None, :], other=0.0)
+                    else:
+                        a = x_desc.load([row0, k0])
                     wa = tl.trans(tl.reshape(w_desc.load([g, n0, k0]), (BN, BK)))
                     wb = tl.trans(tl.reshape(w_desc.load([g, F + n0, k0]), (BN, BK)))
                     acc_a = tl.dot(a, wa, acc_a, input_precision=PREC)
                     acc_b = tl.dot(a, wb, acc_b, input_precision=PREC)
             else:
-                x_row = x_ptr + rows[:, None] * s_xm
+                x_row = x_ptr + src[:, None] * s_xm
                 w_base = w_ptr + g.to(tl.int64) * s_wg + offs_n.to(tl.int64)[None, :] * s_wn
                 for k0 in range(0, K, BK):
                     offs_k = k0 + tl.arange(0, BK)
@@ -246,7 +256,7 @@ if HAS_TRITON:
                          mn_config(128, 128, 128, 8, 4), mn_config(128, 128, 128, 4, 3, pps=2),
                          mn_config(64, 128, 128, 4, 4, pps=2), mn_config(64, 64, 128, 4, 3, pps=2)]
     _BN_MIN = min(c.kwargs["BN"] for c in _DGLU_CONFIGS + _DGLU_FP8_CONFIGS)  # partial-dscales slot width on GPU
-    _GLU_KEY = ["F", "K", "USE_TMA", "ACT", "HAS_BIAS", "HAS_SCALE"]
+    _GLU_KEY = ["F", "K", "USE_TMA", "ACT", "HAS_BIAS", "HAS_SCALE", "GATHER"]
     _DGLU_KEY = ["F", "H", "USE_TMA", "ACT", "HAS_SCALE", "NEED_DS"]
     GLU_FWD_KERNEL = TunedKernel(_glu_fwd_kernel, _GLU_CONFIGS, _GLU_KEY, (_GLU_CONFIGS[2], _GLU_CONFIGS[5]), INTERP_MN)
     DGLU_KERNEL = TunedKernel(_dglu_kernel, _DGLU_CONFIGS, _DGLU_KEY, (_DGLU_CONFIGS[2], _DGLU_CONFIGS[5]), INTERP_MN)
@@ -270,10 +280,11 @@ def _interp(t: torch.Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------- custom ops
-def _glu_fwd_launch(x, w1, split_sizes, bias1, kind, scales, fp8=None):
+def _glu_fwd_launch(x, w1, split_sizes, bias1, kind, scales, fp8=None, gather=None):
     """Launch _glu_fwd_kernel; ``fp8`` = (scale_inv of x, scale_inv of w1, amax [1], out dtype)
-    for FP8 operands, else None (outputs in x's dtype)."""
-    M, K = x.shape
+    for FP8 operands, else None (outputs in x's dtype); ``gather`` [M] int64: row r reads
+    x[gather[r]]."""
+    M, K = x.shape if gather is None else (gather.shape[0], x.shape[1])
     G, F = w1.shape[0], w1.shape[1] // 2
     out_dtype = x.dtype if fp8 is None else fp8[3]
     h = torch.empty((M, 2 * F), dtype=out_dtype, device=x.device)
@@ -284,12 +295,13 @@ def _glu_fwd_launch(x, w1, split_sizes, bias1, kind, scales, fp8=None):
     dummy = h
     fp8_args = fp8[:3] if fp8 is not None else (dummy, dummy, dummy)
     args = (x, w1, h, y, bias1 if bias1 is not None else dummy, scales if scales is not None else dummy,
-            split_sizes, *fp8_args, M, F, K, G, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
+            split_sizes, gather if gather is not None else split_sizes, *fp8_args, M, F, K, G, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
             h.stride(0), h.stride(1), y.stride(0), y.stride(1),
             bias1.stride(0) if bias1 is not None else 0, bias1.stride(1) if bias1 is not None else 0,
             scales.stride(0) if scales is not None else 0)
     const = dict(HAS_BIAS=bias1 is not None, HAS_SCALE=scales is not None, ACT=_act_id(kind, scales),
-                 USE_TMA=use_tma, PREC=dot_precision(x.dtype), G_P2=group_p2(G), FP8=fp8 is not None)
+                 USE_TMA=use_tma, PREC=dot_precision(x.dtype), G_P2=group_p2(G), FP8=fp8 is not None,
+                 GATHER=gather is not None)
     kernel = GLU_FWD_KERNEL if fp8 is None else GLU_FWD_FP8_KERNEL
     kernel.launch(persistent_grid(M, G, F, x.device), args, const, x.dtype, x.device)
     return y, h
@@ -297,14 +309,16 @@ def _glu_fwd_launch(x, w1, split_sizes, bias1, kind, scales, fp8=None):
 
 @kernel_op("fusible_ops::grouped_glu_fwd", mutates_args=())
 def _grouped_glu_fwd_op(x: torch.Tensor, w1: torch.Tensor, split_sizes: torch.Tensor, bias1: Optional[torch.Tensor],
-                        kind: str, scales: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    return _glu_fwd_launch(x, w1, split_sizes, bias1, kind, scales)
+                        kind: str, scales: Optional[torch.Tensor], gather: Optional[torch.Tensor]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _glu_fwd_launch(x, w1, split_sizes, bias1, kind, scales, gather=gather)
 
 
 @_grouped_glu_fwd_op.register_fake
-def _(x, w1, split_sizes, bias1, kind, scales):
+def _(x, w1, split_sizes, bias1, kind, scales, gather):
     F = w1.shape[1] // 2
-    return x.new_empty((x.shape[0], F)), x.new_empty((x.shape[0], 2 * F))
+    m = x.shape[0] if gather is None else gather.shape[0]
+    return x.new_empty((m, F)), x.new_empty((m, 2 * F))
 
 
 def _dglu_launch(dy2, w2, split_sizes, h, kind, scales, need_dscales, fp8=None):
@@ -382,21 +396,34 @@ def _check_glu(split_sizes, G, a, w, *tensors):
     same_dtype(a, w)
 
 
+def _check_gather(gather: Optional[torch.Tensor]) -> None:
+    if gather is not None and (gather.dim() != 1 or gather.dtype != torch.int64 or gather.stride(0) != 1):
+        raise ValueError(f"gather must be a contiguous 1-D int64 tensor, got {list(gather.shape)} {gather.dtype}")
+
+
 def grouped_glu_fwd(x: torch.Tensor, w1: torch.Tensor, split_sizes: torch.Tensor, bias1: Optional[torch.Tensor],
-                    kind: str, scales: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    kind: str, scales: Optional[torch.Tensor] = None, gather: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """FC1 + GLU in one grouped kernel (activation in the epilogue).
 
     x [M, K], w1 [G, 2F, K] (x's dtype), bias1 [G, 2F] or None, split_sizes [G] int64, scales [M]
     (any float dtype) or None. Returns (y, h): h = x_g @ w1[g].T (+ bias1[g]) [M, 2F] in x's dtype
     (kept for backward); y = act(h[:, :F]) * h[:, F:] (* scales[:, None]) [M, F] in x's dtype,
     computed in fp32 from h as rounded to x's dtype. Sync-free, one launch.
+
+    ``gather`` [M] int64 (values in [0, rows of x), not checked: a check would sync): row r of the
+    grouped operand is ``x[gather[r]]``, read inside the GEMM's mainloop (a MoE layer's token
+    copies are never written); x is then [T, K] with any T.
     """
     _act_id(kind, scales)
     if w1.shape[1] % 2:
         raise ValueError(f"w1 must be [G, 2F, K]; got {tuple(w1.shape)}")
-    _check_glu(split_sizes, w1.shape[0], x, w1, bias1, scales)
-    if use_triton(x, w1, split_sizes, bias1, scales) and x.dtype in TRITON_DTYPES:
-        return _grouped_glu_fwd_op(x, w1, split_sizes, bias1, kind, scales)
+    _check_glu(split_sizes, w1.shape[0], x, w1, bias1, scales, gather)
+    _check_gather(gather)
+    if use_triton(x, w1, split_sizes, bias1, scales, gather) and x.dtype in TRITON_DTYPES:
+        return _grouped_glu_fwd_op(x, w1, split_sizes, bias1, kind, scales, gather)
+    if gather is not None:
+        x = x.index_select(0, gather)
     return grouped_glu_fwd_ref(x, w1, split_sizes, bias1, kind, scales)
 
 

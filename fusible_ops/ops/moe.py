@@ -439,14 +439,19 @@ class Dispatch(BasicOperation):
             routing.local_split_sizes = routing.exchange.local_counts
         return x2d
 
-    def fuser_forward(self, ctxs, x, *, extra_inputs, routing: Routing = None, **kwargs):
+    def begin(self, ctx, x, routing: Routing) -> torch.Tensor:
+        """Validate, sort the copies by expert (fills ``routing.perm``), save what backward needs;
+        returns the tokens as [T, H] (a fused op that gathers inside its own kernels starts here)."""
         _need_routing(self, routing)
         check_input(self, x)
         x2d = self._rows(x, routing)
-        ctx = ctxs[0]
         if ctx.input_requires_grad:
             ctx.save_for_backward(routing.inv_perm)
             ctx.input_shape, ctx.top_k, ctx.exchange = x.shape, routing.top_k, routing.exchange
+        return x2d
+
+    def fuser_forward(self, ctxs, x, *, extra_inputs, routing: Routing = None, **kwargs):
+        x2d = self.begin(ctxs[0], x, routing)
         y = x2d.index_select(0, self.gather_index(routing))
         return (y if routing.exchange is None else routing.exchange.to_experts(y)), [()]
 

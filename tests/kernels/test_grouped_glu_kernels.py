@@ -173,13 +173,49 @@ def test_bad_kind_and_missing_scales():
         gm.grouped_glu_fwd(x, w1, split, None, "scaled_swiglu")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", ["swiglu", "scaled_swiglu"])
+def test_fwd_gathered_rows_equal_the_gathered_copy(dtype, kind):
+    """``gather``: row r reads x[gather[r]] inside the mainloop; exactly the gathered copy's result."""
+    x, w1, b1, _, _, scales, split = _data(40, 12, 24, 8, [7, 0, 25, 8], dtype, kind)
+    tokens = x[:11]
+    gather = torch.randint(0, 11, (40,), generator=torch.Generator().manual_seed(5)).to(DEV)
+    with K.use("triton"):
+        y, h = gm.grouped_glu_fwd(tokens, w1, split, b1, kind, scales, gather)
+        y0, h0 = gm.grouped_glu_fwd(tokens[gather], w1, split, b1, kind, scales)
+    assert torch.equal(y, y0) and torch.equal(h, h0)
+    with K.use("reference"):
+        yr, hr = gm.grouped_glu_fwd(tokens, w1, split, b1, kind, scales, gather)
+    assert_close_norm(hr, h.double(), dtype)
+    with pytest.raises(ValueError, match="gather must be a contiguous 1-D int64"):
+        gm.grouped_glu_fwd(tokens, w1, split, b1, kind, scales, gather.to(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_fwd_gathered_rows(dtype):
+    """TMA-eligible shapes: the weights through TMA, the gathered rows through pointer loads."""
+    x, w1, b1, _, _, _, split = _data(1000, 136, 200, 64, [300, 0, 411, 1, 288], dtype, "swiglu")
+    gather = torch.randint(0, 700, (1000,), generator=torch.Generator().manual_seed(6)).to(DEV)
+    tokens = x[:700]
+    y, h = gm.grouped_glu_fwd(tokens, w1, split, b1, "swiglu", None, gather)
+    y64, h64 = glu_fwd64(tokens[gather], w1, split, b1, "swiglu", None)
+    assert_close_norm(h, h64, dtype)
+    assert_close_norm(y, y64, dtype)
+    y0, h0 = gm.grouped_glu_fwd(tokens[gather], w1, split, b1, "swiglu", None)
+    assert torch.equal(h, h0) and torch.equal(y, y0)
+
+
 def test_fake_tensor_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         x, w1, split = torch.empty(9, 8), torch.empty(3, 10, 8), torch.empty(3, dtype=torch.int64)
-        y, h = torch.ops.fusible_ops.grouped_glu_fwd(x, w1, split, None, "swiglu", None)
+        y, h = torch.ops.fusible_ops.grouped_glu_fwd(x, w1, split, None, "swiglu", None, None)
         assert y.shape == (9, 5) and h.shape == (9, 10)
+        yg, hg = torch.ops.fusible_ops.grouped_glu_fwd(x, w1, split, None, "swiglu", None,
+                                                       torch.empty(12, dtype=torch.int64))
+        assert yg.shape == (12, 5) and hg.shape == (12, 10)
         dh, y2, ds = torch.ops.fusible_ops.grouped_dglu(torch.empty(9, 6), torch.empty(3, 6, 5), split, h,
                                                         "swiglu", None, True)
         assert dh.shape == (9, 10) and y2.shape == (9, 5) and ds.shape == (9,)
