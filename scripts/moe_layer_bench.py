@@ -1,5 +1,5 @@
 """The whole MoE layer (issue 13): ``Router -> Dispatch -> GroupedLinear -> SwiGLU -> GroupedLinear ->
-Combine`` as one ``fo.Sequential`` against the plain-PyTorch composition (router GEMM, softmax,
+Combine`` as one ``fo.Sequential`` (bf16, and under FP8 current scaling) against the plain-PyTorch composition (router GEMM, softmax,
 top-k, sort by expert, ``index_select``, ``torch._grouped_mm``, SwiGLU, ``torch._grouped_mm``,
 probability-weighted ``index_add_``), eager and under ``torch.compile``, all in one run; ours also
 with fusion disabled and graph-replayed. bf16 weights and activations, top-k probabilities
@@ -83,6 +83,12 @@ def memory(fn, x):
     return kept / 2 ** 20, peak / 2 ** 20
 
 
+@contextlib.contextmanager
+def _both(a, b):
+    with a, b:
+        yield
+
+
 def times(fn, x, dy):
     def fwd():
         fn(x)
@@ -112,6 +118,9 @@ def main():
         variants = [("ours", seq, contextlib.nullcontext),
                     ("ours, moe_dispatch_mlp off", seq, lambda: fo.fusion_rules.disabled("moe_dispatch_mlp")),
                     ("ours, fusion disabled", seq, lambda: fo.fusion_rules.disabled(*fo.RuleSet.builtin().names())),
+                    ("ours, FP8 current scaling", seq, lambda: fo.autocast(recipe=fo.Float8CurrentScaling())),
+                    ("ours, FP8, moe_dispatch_mlp off", seq, lambda: _both(
+                        fo.autocast(recipe=fo.Float8CurrentScaling()), fo.fusion_rules.disabled("moe_dispatch_mlp"))),
                     ("composition eager", comp, contextlib.nullcontext),
                     ("composition compiled", torch.compile(comp), contextlib.nullcontext)]
         rows = []

@@ -15,6 +15,8 @@ weight cache (their per-group transposes serve the input gradients).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..grad import deliver_weight_grad
@@ -28,15 +30,24 @@ def _bias_grad(op, ctx) -> bool:
     return ctx.requires_grad and op.bias is not None and op.bias.requires_grad
 
 
-def fp8_mlp_forward(fused, ctxs, x2d: torch.Tensor, splits: torch.Tensor, scales, recipe) -> torch.Tensor:
-    """The fused grouped MLP's output [M, H] (x2d's dtype); fills the three ctxs."""
+def fp8_mlp_forward(fused, ctxs, x2d: torch.Tensor, splits: torch.Tensor, scales, recipe,
+                    gather: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The fused grouped MLP's output [M, H] (x2d's dtype); fills the three ctxs.
+
+    ``gather`` (a MoE layer's token copies, :mod:`~fusible_ops.fusion_rules.moe_mlp`): x2d holds
+    the T tokens and FC1's row r is ``x2d[gather[r]]``. The tokens are cast once (T rows, not
+    T * k) and FC1's FP8 kernel gathers the FP8 rows in its mainloop. What must hold: every token
+    is gathered at least once (a dropless layer), so the tokens' amax is the copies' amax and the
+    FP8 values are exactly those of casting the copies. Only the row-wise FP8 tokens are kept;
+    FC1's weight gradient gathers and transposes them in backward (k times less kept memory than
+    the column-wise copy of the copies)."""
     fc1, act, fc2 = fused.basic_ops
     c1, ca, c2 = ctxs
     train = c1.requires_grad
     wg1 = train and c1.weight_requires_grad and fc1.weight.requires_grad
     wg2 = train and c2.weight_requires_grad and fc2.weight.requires_grad
     o1, o2 = fc1.param_owner("weight"), fc2.param_owner("weight")
-    xq = quantize(x2d, recipe, "input", transposed=wg1, owner=o1)
+    xq = quantize(x2d, recipe, "input", transposed=wg1 and gather is None, owner=o1)
     w1q = cached_weight(o1, fc1.weight, recipe, transposed=train and c1.input_requires_grad, grouped=True)
     w2q = cached_weight(o2, fc2.weight, recipe, transposed=train, grouped=True)
     kept = {}
@@ -45,7 +56,7 @@ def fp8_mlp_forward(fused, ctxs, x2d: torch.Tensor, splits: torch.Tensor, scales
         if amax is None:  # (a standalone cast follows: the amax is not needed)
             amax = torch.zeros(1, dtype=torch.float32, device=x2d.device)
         y, kept["h"] = grouped_glu_fwd_fp8(xq.rowwise, w1q.rowwise, splits, fc1.bias, act.kind, scales, x2d.dtype,
-                                           amax)
+                                           amax, gather)
         return y
 
     into_fc2 = InputQuantizer(recipe, fc2)
@@ -55,7 +66,8 @@ def fp8_mlp_forward(fused, ctxs, x2d: torch.Tensor, splits: torch.Tensor, scales
     if train:
         c1.fp8, c1.weight_grad, c1.bias_grad = recipe, wg1, _bias_grad(fc1, c1)
         c2.fp8, c2.weight_grad, c2.bias_grad = recipe, wg2, _bias_grad(fc2, c2)
-        c1.save_for_backward(*(xq.colwise if wg1 else (None, None)),
+        c1.gather = gather  # with it, the "colwise" slots hold the row-wise FP8 tokens
+        c1.save_for_backward(*((xq.colwise if gather is None else xq.rowwise) if wg1 else (None, None)),
                              *(w1q.colwise if c1.input_requires_grad else (None, None)), splits)
         ca.save_for_backward(kept["h"], scales)
         ca.scales_grad = scales is not None and scales.requires_grad
@@ -97,6 +109,9 @@ def fp8_mlp_backward(fused, ctxs, dy2: torch.Tensor):
         if c1.input_requires_grad:
             dx = fp8_grouped_mm(dhq.rowwise, (w1t, w1t_inv), splits, dy2.dtype)
         if c1.weight_grad:
+            if c1.gather is not None:  # FP8 tokens -> the copies, column-wise (same per-tensor scale)
+                xt = xt.index_select(0, c1.gather).t().contiguous()
+
             def wgrad1(out, acc):
                 return fp8_grouped_wgrad(dhq.colwise, (xt, xt_inv), splits, out=out, accumulate=acc,
                                          out_dtype=fc1.weight.dtype)

@@ -44,7 +44,8 @@ class FusedGroupedMLP(FusedOperation):
         """``gather`` (from :class:`~fusible_ops.fusion_rules.moe_mlp.DispatchGroupedMLP`): [M]
         int64, row r of FC1's input is ``x[gather[r]]`` (x: the tokens), read inside FC1's forward
         kernel; the tokens, not the rows, are kept for FC1's weight gradient, which gathers them
-        again; not under FP8. Without it ``x`` is FC1's input."""
+        again (under FP8: the tokens are cast once, :func:`fp8_mlp_forward`). Without it ``x`` is
+        FC1's input."""
         gg, gm = _mlp()
         fc1, act, fc2 = self.basic_ops
         c1, ca, c2 = ctxs
@@ -71,9 +72,7 @@ class FusedGroupedMLP(FusedOperation):
             ca.scales_shape = given.shape
         recipe = grouped_recipe()
         if recipe is not None:
-            if gather is not None:
-                raise AssertionError("FusedGroupedMLP: gathered input under FP8 (the rule must decline)")
-            out = fp8_mlp_forward(self, ctxs, x2d, splits, scales, recipe)
+            out = fp8_mlp_forward(self, ctxs, x2d, splits, scales, recipe, gather)
             c1.input_shape = x.shape
             return out.reshape(*x.shape[:-1], fc2.out_features), [(), (), ()]
         c1.fp8 = None

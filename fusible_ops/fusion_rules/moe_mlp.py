@@ -14,8 +14,10 @@ Joint rule ``moe_dispatch_mlp`` (training; the forward and backward are equivale
 
 What it saves: the [T * k, hidden] copy in the forward's peak and in what backward keeps (the
 tokens, which the layer's caller holds anyway, and the gather index are kept instead), and the
-forward's gather pass. It declines (``explain()`` says why) where the grouped MLP
-declines, under FP8 autocast (FC1's FP8 kernels read a cast copy), and for an expert-parallel
+forward's gather pass. Under FP8 autocast (per-tensor recipes) the tokens are cast once (T rows,
+not T * k) and FC1's FP8 kernel gathers the FP8 rows
+(:func:`~fusible_ops.fusion_rules.fp8_grouped_mlp.fp8_mlp_forward`). It declines (``explain()``
+says why) where the grouped MLP declines (e.g. FP8 block scaling) and for an expert-parallel
 Dispatch (its copies come from an all-to-all, not a local gather).
 """
 
@@ -52,8 +54,6 @@ class DispatchGroupedMLP(FusedOperation):
 def _check(ops, ctx):
     if ops[0].ep_size > 1:
         return "expert-parallel Dispatch: its token copies come from an all-to-all, not a local gather"
-    if ctx.recipe is not None:
-        return "FP8 autocast: FC1's FP8 kernels read a cast copy of the token copies, not the tokens"
     return check_grouped_mlp(ops[1:], ctx)
 
 

@@ -365,15 +365,16 @@ def _(dy2, w2, split_sizes, h, kind, scales, need_dscales):
 @kernel_op("fusible_ops::grouped_glu_fwd_fp8", mutates_args=("amax",))
 def _grouped_glu_fwd_fp8_op(x: torch.Tensor, sx: torch.Tensor, w1: torch.Tensor, sw: torch.Tensor,
                             split_sizes: torch.Tensor, bias1: Optional[torch.Tensor], kind: str,
-                            scales: Optional[torch.Tensor], out_dtype: torch.dtype, amax: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _glu_fwd_launch(x, w1, split_sizes, bias1, kind, scales, (sx, sw, amax, out_dtype))
+                            scales: Optional[torch.Tensor], out_dtype: torch.dtype, amax: torch.Tensor,
+                            gather: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _glu_fwd_launch(x, w1, split_sizes, bias1, kind, scales, (sx, sw, amax, out_dtype), gather)
 
 
 @_grouped_glu_fwd_fp8_op.register_fake
-def _(x, sx, w1, sw, split_sizes, bias1, kind, scales, out_dtype, amax):
+def _(x, sx, w1, sw, split_sizes, bias1, kind, scales, out_dtype, amax, gather):
     F = w1.shape[1] // 2
-    return x.new_empty((x.shape[0], F), dtype=out_dtype), x.new_empty((x.shape[0], 2 * F), dtype=out_dtype)
+    m = x.shape[0] if gather is None else gather.shape[0]
+    return x.new_empty((m, F), dtype=out_dtype), x.new_empty((m, 2 * F), dtype=out_dtype)
 
 
 @kernel_op("fusible_ops::grouped_dglu_fp8", mutates_args=("amax",))
@@ -459,18 +460,21 @@ def _raise_amax(amax: torch.Tensor, t: torch.Tensor) -> None:
 
 
 def grouped_glu_fwd_fp8(x, w1, split_sizes: torch.Tensor, bias1: Optional[torch.Tensor], kind: str,
-                        scales: Optional[torch.Tensor], out_dtype: torch.dtype, amax: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        scales: Optional[torch.Tensor], out_dtype: torch.dtype, amax: torch.Tensor,
+                        gather: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`grouped_glu_fwd` on FP8 operands: ``x`` = (data [M, K], scale_inv), ``w1`` = (data
     [G, 2F, K], scale_inv), per-tensor scales. Returns (y, h) in ``out_dtype`` and raises ``amax``
-    (fp32 [1]) to max|y| in the same pass, for the cast of FC2's FP8 input. Without Triton (FP8 on
-    the CPU): fp32 math on the dequantized operands."""
+    (fp32 [1]) to max|y| in the same pass, for the cast of FC2's FP8 input. ``gather`` as in
+    :func:`grouped_glu_fwd` (rows of the FP8 data). Without Triton (FP8 on the CPU): fp32 math on
+    the dequantized operands."""
     _act_id(kind, scales)
-    check_splits(split_sizes, w1[0].shape[0], x[0], w1[0], bias1, scales)
+    check_splits(split_sizes, w1[0].shape[0], x[0], w1[0], bias1, scales, gather)
+    _check_gather(gather)
     if fp8_triton_ok(x[0], w1[0]):
         return _grouped_glu_fwd_fp8_op(x[0], x[1].reshape(1).float(), w1[0], w1[1].reshape(1).float(), split_sizes,
-                                       bias1, kind, scales, out_dtype, amax)
-    y, h = grouped_glu_fwd_ref(_deq(x), _deq(w1), split_sizes, None if bias1 is None else bias1.float(), kind, scales)
+                                       bias1, kind, scales, out_dtype, amax, gather)
+    xd = _deq(x) if gather is None else _deq(x).index_select(0, gather)
+    y, h = grouped_glu_fwd_ref(xd, _deq(w1), split_sizes, None if bias1 is None else bias1.float(), kind, scales)
     y, h = y.to(out_dtype), h.to(out_dtype)
     _raise_amax(amax, y)
     return y, h

@@ -291,7 +291,7 @@ def test_gpu_torch_compile_fullgraph():
     ops = torch.ops.fusible_ops
 
     def f(x, w1, b1, w2, dy2, scales, split):
-        y, h = ops.grouped_glu_fwd(x, w1, split, b1, "scaled_swiglu", scales)
+        y, h = ops.grouped_glu_fwd(x, w1, split, b1, "scaled_swiglu", scales, None)
         dh, y2, ds = ops.grouped_dglu(dy2, w2, split, h, "scaled_swiglu", scales, True)
         return y, h, dh, y2, ds
 
