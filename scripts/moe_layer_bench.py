@@ -1,6 +1,6 @@
 """The whole MoE layer (issue 13): ``Router -> Dispatch -> GroupedLinear -> SwiGLU -> GroupedLinear ->
-Combine`` as one ``fo.Sequential`` (bf16, and under FP8 current scaling) against the plain-PyTorch composition (router GEMM, softmax,
-top-k, sort by expert, ``index_select``, ``torch._grouped_mm``, SwiGLU, ``torch._grouped_mm``,
+Combine`` as one ``fo.Sequential`` (bf16, and under FP8 current scaling) against the plain-PyTorch
+composition (router GEMM, softmax, top-k, sort by expert, ``index_select``, ``torch._grouped_mm``, SwiGLU, ``torch._grouped_mm``,
 probability-weighted ``index_add_``), eager and under ``torch.compile``, all in one run; ours also
 with fusion disabled and graph-replayed. bf16 weights and activations, top-k probabilities
 renormalised, load-balancing loss in both.
