@@ -23,6 +23,7 @@ from ..grad import deliver_weight_grad
 from ..kernels.fp8_grouped_gemm import fp8_grouped_mm, fp8_grouped_wgrad
 from ..kernels.grouped_gemm import grouped_bias_grad
 from ..kernels.grouped_glu import grouped_dglu_fp8, grouped_glu_fwd_fp8
+from ..kernels.moe_combine import gather_rows_t
 from ..quantization.casting import GradOutputQuantizer, InputQuantizer, cached_weight, quantize
 
 
@@ -110,7 +111,7 @@ def fp8_mlp_backward(fused, ctxs, dy2: torch.Tensor):
             dx = fp8_grouped_mm(dhq.rowwise, (w1t, w1t_inv), splits, dy2.dtype)
         if c1.weight_grad:
             if c1.gather is not None:  # FP8 tokens -> the copies, column-wise (same per-tensor scale)
-                xt = xt.index_select(0, c1.gather).t().contiguous()
+                xt = gather_rows_t(xt, c1.gather)
 
             def wgrad1(out, acc):
                 return fp8_grouped_wgrad(dhq.colwise, (xt, xt_inv), splits, out=out, accumulate=acc,

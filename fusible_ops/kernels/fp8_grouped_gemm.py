@@ -211,22 +211,24 @@ if HAS_TRITON:
     def _wgrad_tensor_loop(acc, at_ptr, bt_ptr, r0, mg, n0, k0, offs_n, offs_k, nmask, kmask, N, K, s_at, s_bt,
                            USE_TMA: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            BR: tl.constexpr):
-        """acc += a_t[n tile, rows of g] @ b_t[k tile, rows of g].T (per-tensor operands)."""
-        # TMA only for groups whose column range starts and ends on 16-byte boundaries (an
-        # unaligned start faulted on the H200); other groups take the pointer loads.
+        """acc += a_t[n tile, rows of g] @ b_t[k tile, rows of g].T (per-tensor operands).
+
+        TMA reads the group's 16-aligned middle [h, b) (loads start on 16-byte boundaries: an
+        unaligned start faulted on the H200; the extent ends at b, so TMA zero-fills past it);
+        the < 16 columns before h and after b take masked pointer loads. (Sending every group with
+        an unaligned start or size to the pointer loop made the whole weight gradient ~50x slower
+        under real routing's split sizes: H200, 2026-11-25.)"""
         if USE_TMA:
-            if (r0 % 16 == 0) & (mg % 16 == 0):
-                # column extent ends at the group's end: TMA zero-fills the next group's columns
-                cols_end = tl.maximum(r0 + mg, 16)
-                a_desc = tl.make_tensor_descriptor(at_ptr, shape=[N, cols_end], strides=[s_at, 1],
-                                                   block_shape=[BN, BR])
-                b_desc = tl.make_tensor_descriptor(bt_ptr, shape=[K, cols_end], strides=[s_bt, 1],
-                                                   block_shape=[BK, BR])
-                for r in range(0, mg, BR):
-                    acc = tl.dot(a_desc.load([n0, r0 + r]), tl.trans(b_desc.load([k0, r0 + r])), acc,
-                                 input_precision=PREC)
-            else:
-                acc = _wgrad_ptr_loop(acc, at_ptr, bt_ptr, r0, mg, offs_n, offs_k, nmask, kmask, s_at, s_bt, PREC, BR)
+            end = r0 + mg
+            h = tl.minimum((r0 + 15) // 16 * 16, end)
+            b = tl.maximum(end // 16 * 16, h)
+            acc = _wgrad_ptr_loop(acc, at_ptr, bt_ptr, r0, h - r0, offs_n, offs_k, nmask, kmask, s_at, s_bt, PREC, BR)
+            cols_end = tl.maximum(b, 16)  # (never a zero-size descriptor; unused when h == b)
+            a_desc = tl.make_tensor_descriptor(at_ptr, shape=[N, cols_end], strides=[s_at, 1], block_shape=[BN, BR])
+            b_desc = tl.make_tensor_descriptor(bt_ptr, shape=[K, cols_end], strides=[s_bt, 1], block_shape=[BK, BR])
+            for r in range(h, b, BR):
+                acc = tl.dot(a_desc.load([n0, r]), tl.trans(b_desc.load([k0, r])), acc, input_precision=PREC)
+            acc = _wgrad_ptr_loop(acc, at_ptr, bt_ptr, b, end - b, offs_n, offs_k, nmask, kmask, s_at, s_bt, PREC, BR)
         else:
             acc = _wgrad_ptr_loop(acc, at_ptr, bt_ptr, r0, mg, offs_n, offs_k, nmask, kmask, s_at, s_bt, PREC, BR)
         return acc

@@ -12,6 +12,8 @@ permutation of ``0..N-1``, e.g. :class:`~fusible_ops.ops.moe.Routing`'s ``inv_pe
 * :func:`combine_bwd` -- Combine's backward in one pass over ``dy``:
   ``dsrc[index[t, j]] = w[t, j] * dy[t]`` and ``dprobs[t, j] = <dy[t], src[index[t, j]]>``
   (either can be skipped).
+* :func:`gather_rows_t` -- gathered rows, transposed (``x[index].T``, any dtype, bytes moved):
+  the column-wise FP8 token copies FC1's FP8 weight gradient reads.
 
 Math in float32 (float64 for float64 inputs, which run the ``*_ref``); the sum over ``j`` runs
 in a fixed order (deterministic, no atomics); no host sync; one launch each. ``w`` stays float32
@@ -88,8 +90,22 @@ if HAS_TRITON:
         if DPROBS:
             tl.store(dp_ptr + t64[:, None] * K + cols[None, :], dp, mask=tmask[:, None] & (cols < K)[None, :])
 
+    @triton.jit
+    def _gather_rows_t_kernel(x_ptr, idx_ptr, out_ptr, M, K, s_x, s_o, BM: tl.constexpr, BK: tl.constexpr):
+        """Grid (cdiv(M, BM), cdiv(K, BK)): out[k-block, m-block] = x[idx[m-block], k-block]^T. The
+        tile is loaded as [BK, BM] (contiguous along k) and stored contiguous along m: Triton
+        moves it through shared memory between the two layouts."""
+        offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+        offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
+        mmask = offs_m < M
+        mask = (offs_k < K)[:, None] & mmask[None, :]
+        rows = tl.load(idx_ptr + offs_m, mask=mmask, other=0).to(tl.int64)
+        v = tl.load(x_ptr + rows[None, :] * s_x + offs_k[:, None], mask=mask)
+        tl.store(out_ptr + offs_k.to(tl.int64)[:, None] * s_o + offs_m[None, :], v, mask=mask)
+
     _GATHER_SUM = DirectKernel(_gather_sum_kernel)
     _COMBINE_BWD = DirectKernel(_combine_bwd_kernel)
+    _GATHER_ROWS_T = DirectKernel(_gather_rows_t_kernel)
 
 GATHER_TILE = 4096  # elements per gather-sum program (tests shrink the tiles to get many programs)
 BWD_TILE = 2048
@@ -180,6 +196,24 @@ def _(dy, src, index, weight, n_rows):
             dy.new_empty((t, k) if src is not None else (0, k), dtype=torch.float32))
 
 
+@kernel_op("fusible_ops::moe_gather_rows_t", mutates_args=())
+def _gather_rows_t_op(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    m, k = index.shape[0], x.shape[1]
+    out = torch.empty((k, m), dtype=x.dtype, device=x.device)
+    if m == 0 or k == 0:
+        return out
+    bm = bk = 16 if not x.is_cuda else 64
+    args = (x, index, out, m, k, x.stride(0), out.stride(0))
+    meta = dict(BM=bm, BK=bk, num_warps=4)
+    _GATHER_ROWS_T((cdiv(m, bm), cdiv(k, bk)), (x.device, x.dtype, m, k, x.stride(0), bm), args, meta)
+    return out
+
+
+@_gather_rows_t_op.register_fake
+def _(x, index):
+    return x.new_empty((x.shape[1], index.shape[0]))
+
+
 # ----------------------------------------------------------------------------- public API
 def gather_sum(src: torch.Tensor, index: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out[t] = sum_j weight[t, j] * src[index[t, j]]`` ([T, H] in src's dtype; module doc).
@@ -213,7 +247,27 @@ def combine_bwd(dy: torch.Tensor, src: Optional[torch.Tensor], index: torch.Tens
     return combine_bwd_ref(dy, src, index, weight)
 
 
+def gather_rows_t(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(0, index).t().contiguous()`` in one pass ([K, M], x's dtype): the column-wise
+    layout of gathered rows, e.g. a MoE layer's FP8 token copies for an FP8 weight gradient (which
+    needs both operands contiguous along the rows), with no gathered copy in between. Any dtype
+    (bytes are moved, never converted: FP8 data stay bit-exact); x [N, K], index [M] int64 with
+    values in [0, N) (not checked)."""
+    x = _rows(x, "x")
+    if index.dim() != 1 or index.dtype != torch.int64:
+        raise ValueError(f"index must be 1-D int64, got {list(index.shape)} {index.dtype}")
+    if use_triton(x, index) and x.element_size() in (1, 2, 4):
+        view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()]  # bytes, not values
+        return _gather_rows_t_op(x.view(view), index.contiguous()).view(x.dtype)
+    return gather_rows_t_ref(x, index)
+
+
 # ----------------------------------------------------------------------------- references
+def gather_rows_t_ref(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Pure-torch twin of :func:`gather_rows_t`."""
+    return x.index_select(0, index).t().contiguous()
+
+
 def gather_sum_ref(src: torch.Tensor, index: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Pure-torch twin of :func:`gather_sum` (the [T, k, H] copy is materialized)."""
     t, k = index.shape
@@ -241,4 +295,4 @@ def combine_bwd_ref(dy: torch.Tensor, src: Optional[torch.Tensor], index: torch.
     return dsrc, dprobs
 
 
-__all__ = ["combine_bwd", "combine_bwd_ref", "gather_sum", "gather_sum_ref"]
+__all__ = ["combine_bwd", "combine_bwd_ref", "gather_rows_t", "gather_rows_t_ref", "gather_sum", "gather_sum_ref"]

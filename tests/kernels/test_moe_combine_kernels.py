@@ -128,3 +128,28 @@ def test_gpu_odd_sizes(dtype, t, k, h):
     dsrc, dp = mc.combine_bwd(dy, src, index, w)
     assert_close(dsrc, dsrc64)
     assert_close(dp, dp64, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,m,k", [(1, 1, 1), (13, 40, 37), (50, 7, 70)])
+def test_gather_rows_t_moves_bytes_exactly(dtype, n, m, k):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(n, k + 5, generator=g) * 4)[:, :k].to(DEV).to(dtype)  # strided rows
+    index = torch.randint(0, n, (m,), generator=g).to(DEV)
+    want = x.index_select(0, index).t().contiguous()
+    for mode in ("triton", "reference"):
+        got = _run(mc.gather_rows_t, mode, x, index)
+        assert got.dtype == dtype and got.shape == (k, m) and got.is_contiguous()
+        assert torch.equal(got.view(torch.uint8) if dtype.itemsize == 1 else got,
+                           want.view(torch.uint8) if dtype.itemsize == 1 else want)
+    assert _run(mc.gather_rows_t, "triton", x, index[:0]).shape == (k, 0)
+    with pytest.raises(ValueError, match="index must be 1-D int64"):
+        mc.gather_rows_t(x, index.to(torch.int32))
+
+
+@pytest.mark.gpu
+def test_gpu_gather_rows_t_large_fp8():
+    x = torch.randn(3000, 1536, device="cuda").to(torch.float8_e4m3fn)
+    index = torch.randint(0, 3000, (24001,), device="cuda")
+    got = mc.gather_rows_t(x, index)
+    assert torch.equal(got.view(torch.uint8), x.index_select(0, index).t().contiguous().view(torch.uint8))
