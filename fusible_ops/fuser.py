@@ -73,9 +73,9 @@ def _routing_layout(ops):
     when no op has a ``routing_role`` (the common case: nothing is imported or built)."""
     if not any(getattr(op, "routing_role", None) for op in ops):
         return None
-    from .ops.moe import routing_layout  # local import: the ops import this module's package
+    from .ops.moe import RoutingLayout  # local import: the ops import this module's package
 
-    return routing_layout(ops)
+    return RoutingLayout(ops)
 
 
 class _RoutedSteps:
@@ -97,7 +97,10 @@ class _RoutedSteps:
             regions = [layout.region[i] for i in idx if getattr(ops[i], "routing_role", None)]
             return regions[0] if regions else None
 
-        self.fwd = [(op, idx, kw, step_region(idx)) for op, idx, kw in plan.forward_steps]
+        def sources(idx):  # per op of a step: (its index, its MoE layer, the routing fields it is fed)
+            return tuple([(i, layout.region[i], layout.feeds[i]) for i in idx])
+
+        self.fwd = [(op, idx, kw, step_region(idx), sources(idx)) for op, idx, kw in plan.forward_steps]
         self.bwd = [(op, idx, gq, step_region(idx)) for op, idx, gq in plan.backward_steps]
         self.complete = plan.backward_complete
         self.all = tuple(range(len(ops)))
@@ -109,15 +112,14 @@ class _RoutedSteps:
         plan.backward_complete = True  # this step returns None for dx itself when incomplete
 
     def fuser_forward(self, ctxs, x, *, extra_inputs, basic_op_kwargs):
-        ops, feeds = self.ops, self.layout.feeds
+        ops = self.ops
         routings = self.layout.new_routings()
         extra_outputs = [()] * len(ops)
         y = x
-        for op, idx, kwargs, region in self.fwd:
+        for op, idx, kwargs, region, sources in self.fwd:
             if type(y) is Float8Tensor and not getattr(ops[idx[0]], "accepts_fp8", False):
                 y = y.dequantize()
-            ex = [tuple([getattr(routings[self.layout.region[i]], f) for f in feeds[i]]) if feeds[i]
-                  else extra_inputs[i] for i in idx]
+            ex = [tuple([getattr(routings[r], f) for f in fed]) if fed else extra_inputs[i] for i, r, fed in sources]
             extra = {} if region is None else {"routing": routings[region]}
             y, outs = op.fuser_forward([ctxs[i] for i in idx], y, extra_inputs=ex, basic_op_kwargs=kwargs, **extra)
             for i, e in zip(idx, outs):

@@ -52,14 +52,16 @@ class FusedGroupedMLP(FusedOperation):
         scaled = isinstance(act, ScaledSwiGLU)
         if gather is None:
             x2d, splits = fc1.prepare(x, extra_inputs[0][0])
-        else:  # x: the tokens; the grouped rows are x[gather]
+            lead = x.shape[:-1]
+        else:  # x: the tokens; FC1's rows are x[gather]
             check_input(fc1, x, features=fc1.in_features, like=fc1.weight)
             x2d = x.reshape(-1, fc1.in_features)
+            lead = gather.shape
             splits = check_split_sizes(fc1, extra_inputs[0][0], fc1.num_groups, gather.shape[0], x.device)
-            x = x2d.new_empty(()).expand(gather.shape[0], fc1.in_features)  # FC1's input shape (no alloc)
+        rows, in_shape = lead.numel(), torch.Size((*lead, fc1.in_features))  # FC1's input (rows), as given
         s2 = extra_inputs[2][0]
         if not _same_tensor(s2, extra_inputs[0][0]):
-            splits2 = check_split_sizes(fc2, s2, fc2.num_groups, x2d.shape[0], x.device)
+            splits2 = check_split_sizes(fc2, s2, fc2.num_groups, rows, x.device)
             if splits2.is_cuda or torch.compiler.is_compiling():
                 device_check(fc2, (splits2 == splits).all(), splits2, "FC2 split sizes must equal FC1's (fused grouped MLP)")
             elif not torch.equal(splits2, splits):
@@ -67,24 +69,24 @@ class FusedGroupedMLP(FusedOperation):
         scales = None
         if scaled:
             given = extra_inputs[1][0]
-            act.check_scales(x.new_empty(()).expand(*x.shape[:-1], 2 * fc2.in_features), given)  # no alloc
-            scales = given.reshape(x.shape[:-1].numel())
+            act.check_scales(x.new_empty(()).expand(*lead, 2 * fc2.in_features), given)  # no alloc
+            scales = given.reshape(rows)
             ca.scales_shape = given.shape
         recipe = grouped_recipe()
         if recipe is not None:
             out = fp8_mlp_forward(self, ctxs, x2d, splits, scales, recipe, gather)
-            c1.input_shape = x.shape
-            return out.reshape(*x.shape[:-1], fc2.out_features), [(), (), ()]
+            c1.input_shape = in_shape
+            return out.reshape(*lead, fc2.out_features), [(), (), ()]
         c1.fp8 = None
         y, h = gm.grouped_glu_fwd(x2d, fc1.weight, splits, fc1.bias, act.kind, scales, gather)
         out = gg.grouped_gemm_fwd(y, fc2.weight, splits, fc2.bias)
         if c1.requires_grad:
-            fc1.save_ctx(c1, x2d, splits, x.shape)  # (with gather: the tokens, not a gathered copy)
+            fc1.save_ctx(c1, x2d, splits, in_shape)  # (with gather: the tokens, not a gathered copy)
             c1.gather = gather
             ca.save_for_backward(h, scales)
             ca.scales_grad = scaled and scales.requires_grad
             fc2.save_ctx(c2, None, splits, y.shape)  # FC2's input y is recomputed in backward
-        return out.reshape(*x.shape[:-1], fc2.out_features), [(), (), ()]
+        return out.reshape(*lead, fc2.out_features), [(), (), ()]
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
         fc1, act, fc2 = self.basic_ops

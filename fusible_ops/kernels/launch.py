@@ -132,9 +132,13 @@ INT64_MIN_COUNTERS = 2**31  # counters >= this need int64 (tests lower it to run
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """A 2-D ``[rows, cols]`` view of ``x`` (row-major order kept) with column stride 1.
 
-    Views when the strides allow it; otherwise copies (``reshape`` / ``contiguous``).
+    Views when the strides allow it; otherwise copies (``reshape`` / ``contiguous``). Zero
+    columns keep the rows (``[n, 0]``).
     """
-    x2 = x.reshape(1, -1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
+    if x.dim() == 0:
+        x2 = x.reshape(1, -1)
+    else:
+        x2 = x.reshape(-1, x.shape[-1]) if x.shape[-1] else x.reshape(x.shape[:-1].numel(), 0)
     if x2.shape[1] > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
     return x2

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from . import HAS_TRITON, use_triton
-from .launch import TRITON_DTYPES, DirectKernel, cdiv, compute_dtype, geometry_cache, kernel_op, next_pow2, \
+from .launch import TRITON_DTYPES, DirectKernel, as_rows, cdiv, compute_dtype, geometry_cache, kernel_op, next_pow2, \
     remember
 
 if HAS_TRITON:
@@ -125,13 +125,6 @@ def _geometry(kind: str, t: int, h: int, on_cpu: bool) -> tuple:
     return g
 
 
-def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
-    """``x`` ([rows, H]) with unit column stride (a copy only when it has another)."""
-    if x.dim() != 2:
-        raise ValueError(f"{what} must be 2-D [rows, H], got {list(x.shape)}")
-    return x.contiguous() if x.shape[1] > 1 and x.stride(1) != 1 else x
-
-
 def _check(index: torch.Tensor, n_rows: int, *others) -> tuple[int, int]:
     if index.dim() != 2 or index.dtype != torch.int64:
         raise ValueError(f"index must be [T, k] int64, got {list(index.shape)} {index.dtype}")
@@ -172,12 +165,11 @@ def _combine_bwd_op(dy: torch.Tensor, src: Optional[torch.Tensor], index: torch.
     h = dy.shape[1]
     dsrc = torch.empty((n_rows if weight is not None else 0, h), dtype=dy.dtype, device=dy.device)
     dp = torch.empty((t, k) if src is not None else (0, k), dtype=torch.float32, device=dy.device)
-    if t == 0 or (weight is None and src is None):
-        return dsrc, (dp.zero_() if src is not None else dp)
-    if h == 0:
-        return dsrc, dp.zero_()
+    if t == 0 or h == 0 or (weight is None and src is None):
+        return dsrc, dp.zero_()  # (dprobs of zero features: exact zeros)
     bt, bh, warps = _geometry("bwd", t, h, not dy.is_cuda)
     idx = index.contiguous()
+    # placeholders for what a flag leaves unread: real (non-empty) tensors, never a null pointer
     w = idx if weight is None else weight.contiguous()
     s = dy if src is None else src
     ds = dy if weight is None else dsrc
@@ -221,7 +213,7 @@ def gather_sum(src: torch.Tensor, index: torch.Tensor, weight: Optional[torch.Te
     src [N, H] with ``N = T * k``, index [T, k] int64 (values in [0, N)), weight [T, k] (float32,
     the router's probabilities) or None for a plain sum of the k copies.
     """
-    src = _rows(src, "src")
+    src = as_rows(src)
     _check(index, src.shape[0], weight)
     if use_triton(src, index, weight) and src.dtype in TRITON_DTYPES:
         return _gather_sum_op(src, index, weight)
@@ -235,10 +227,10 @@ def combine_bwd(dy: torch.Tensor, src: Optional[torch.Tensor], index: torch.Tens
     dy [T, H]; src [N, H] (Combine's input; None: no ``dprobs``); index [T, k] int64, a
     permutation of the N = T * k rows; weight [T, k] (None: no ``dsrc``).
     """
-    dy = _rows(dy, "dy")
+    dy = as_rows(dy)
     t, k = _check(index, dy.shape[0] * index.shape[1], weight)
     if src is not None:
-        src = _rows(src, "src")
+        src = as_rows(src)
         if src.shape != (t * k, dy.shape[1]):
             raise ValueError(f"src must be [{t * k}, {dy.shape[1]}], got {list(src.shape)}")
     if use_triton(dy, src, index, weight) and dy.dtype in TRITON_DTYPES:
@@ -253,7 +245,7 @@ def gather_rows_t(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     needs both operands contiguous along the rows), with no gathered copy in between. Any dtype
     (bytes are moved, never converted: FP8 data stay bit-exact); x [N, K], index [M] int64 with
     values in [0, N) (not checked)."""
-    x = _rows(x, "x")
+    x = as_rows(x)
     if index.dim() != 1 or index.dtype != torch.int64:
         raise ValueError(f"index must be 1-D int64, got {list(index.shape)} {index.dtype}")
     if use_triton(x, index) and x.element_size() in (1, 2, 4):
