@@ -44,6 +44,10 @@ class Plan:
     # per-op keyword arguments for op_forward (quantizer hand-off); fixed per plan because the
     # quantization recipe is part of the plan key
     op_kwargs: list[dict]
+    # which flat extra inputs / parameters autograd wants a gradient for (they require grad: part
+    # of the plan key); backward returns None for the others
+    extra_keep: tuple = ()
+    param_keep: tuple = ()
 
     def __post_init__(self) -> None:
         # What every call reads, computed once per plan (the host path stays short).
@@ -291,6 +295,9 @@ class OperationFuser:
             weight_requires_grad=[requires_grad and t for t in op_trainable],
             backward_stop=backward_stop,
             param_counts=list(self._param_counts),
+            extra_keep=tuple([requires_grad and isinstance(e, torch.Tensor) and e.requires_grad
+                              for e in extra_inputs]),
+            param_keep=tuple([requires_grad and p.requires_grad for p in params]),
             op_kwargs=[
                 {
                     "next_op_input_quantizer": (_input_quantizer(ops[i + 1], requires_grad and op_trainable[i + 1])
@@ -371,12 +378,15 @@ def _told(q, weight_grad: bool):
 
 
 class _BackwardContext:
-    """An :class:`OperationContext` as backward sees it: the forward ctx's attributes, with the
-    saved tensors handed back by autograd. Attributes set in backward stay on this view."""
+    """An :class:`OperationContext` as backward sees it: a copy of the forward ctx's attributes,
+    with the saved tensors handed back by autograd. Attributes set in backward stay on this view
+    (nothing created in forward is mutated, so torch.compile can trace the backward too)."""
 
     def __init__(self, base: OperationContext, saved: tuple) -> None:
-        self._base = base
-        self._saved = saved
+        d = self.__dict__
+        d.update(base.__dict__)
+        d["_base"] = base
+        d["_saved"] = saved
 
     @property
     def saved_tensors(self) -> tuple:
@@ -385,8 +395,8 @@ class _BackwardContext:
     def release(self) -> None:
         self._saved = ()
 
-    def __getattr__(self, name: str):
-        return getattr(self._base, name)
+    def __getattr__(self, name: str):  # (class attributes of the forward ctx's type)
+        return getattr(self.__dict__["_base"], name)
 
 
 class _FuserFunction(torch.autograd.Function):
@@ -394,11 +404,8 @@ class _FuserFunction(torch.autograd.Function):
     def forward(func_ctx, x, fuser: OperationFuser, plan: Plan, num_extra: int, *args):
         n = len(fuser.ops)
         extra_inputs = fuser._split_extra(args[:num_extra]) if num_extra else fuser._no_extras
-        ctxs = []
-        for rg, irg, wrg in plan.ctx_flags:
-            c = OperationContext()
-            c.requires_grad, c.input_requires_grad, c.weight_requires_grad = rg, irg, wrg
-            ctxs.append(c)
+        ctxs = [OperationContext(rg, irg, wrg) for rg, irg, wrg in plan.ctx_flags]
+        has_extra_out = fuser.num_extra_outputs != 0
         extra_outputs: list[tuple] = [()] * n
         y = x
         for op, idx, kwargs in plan.forward_steps:
@@ -410,31 +417,35 @@ class _FuserFunction(torch.autograd.Function):
             else:
                 y, ex = op.fuser_forward([ctxs[i] for i in idx], y, extra_inputs=[extra_inputs[i] for i in idx],
                                          basic_op_kwargs=kwargs)
-            if fuser.num_extra_outputs:
+            if has_extra_out:
                 for i, e in zip(idx, ex):
                     extra_outputs[i] = tuple(e)
-        flat_extra_out = [t for e in extra_outputs for t in e]
         if plan.requires_grad:
             # Route every op's saved tensors through autograd (saved-tensor hooks, offloading,
             # in-place modification checks all see them); ctxs get them back in backward.
-            counts = [len(c._saved) for c in ctxs]
-            func_ctx.save_for_backward(*[t for c in ctxs for t in c._saved])
-            func_ctx.saved_counts = counts
+            counts, flat = [], []
             for c in ctxs:
+                counts.append(len(c._saved))
+                flat.extend(c._saved)
                 c._saved = ()
+            func_ctx.save_for_backward(*flat)
+            func_ctx.saved_counts = counts
         func_ctx.fuser = fuser
         func_ctx.plan = plan
         func_ctx.op_ctxs = ctxs
-        func_ctx.num_extra = num_extra
         func_ctx.x_requires_grad = x.requires_grad
         # An output that is an input (or another output) gets its own alias so autograd can
         # attach a distinct grad_fn to it.
-        if not flat_extra_out:  # the common case: one output
-            if y is x or any(y is a for a in args):
+        if not has_extra_out:  # the common case: one output
+            alias = y is x
+            for a in args:
+                alias = alias or y is a
+            if alias:
                 y = y.view_as(y)
             if not y.is_floating_point():
                 func_ctx.mark_non_differentiable(y)
             return (y,)
+        flat_extra_out = [t for e in extra_outputs for t in e]
         inputs = (x, *args)
         outs = []
         for t in (y, *flat_extra_out):
@@ -497,10 +508,8 @@ class _FuserFunction(torch.autograd.Function):
         elif type(dy) is Float8Tensor:  # autograd gets plain gradients
             dy = dy.dequantize()
         dx = dy if func_ctx.x_requires_grad else None
-        needs = func_ctx.needs_input_grad
-        first = 4 + func_ctx.num_extra
-        flat_pg = [t if needs[first + j] else None for j, t in enumerate(t for p in param_grads for t in p)]
-        flat_ge = [t if needs[4 + j] else None for j, t in enumerate(t for e in grad_extra_in for t in e)]
+        flat_ge = [t if k else None for k, t in zip(plan.extra_keep, [t for e in grad_extra_in for t in e])]
+        flat_pg = [t if k else None for k, t in zip(plan.param_keep, [t for p in param_grads for t in p])]
         return (dx, None, None, None, *flat_ge, *flat_pg)
 
 

@@ -56,10 +56,11 @@ class OperationContext:
     Ops may set any other attribute they need in backward.
     """
 
-    def __init__(self) -> None:
-        self.requires_grad = False
-        self.input_requires_grad = False
-        self.weight_requires_grad = False
+    def __init__(self, requires_grad: bool = False, input_requires_grad: bool = False,
+                 weight_requires_grad: bool = False) -> None:
+        self.requires_grad = requires_grad
+        self.input_requires_grad = input_requires_grad
+        self.weight_requires_grad = weight_requires_grad
         self._saved: tuple = ()
 
     def save_for_backward(self, *tensors: Optional[torch.Tensor]) -> None:
@@ -194,7 +195,13 @@ class BasicOperation(FusibleOperation):
     def __getattr__(self, name: str):
         lent = self.__dict__.get("_lent_params")
         if lent is not None and name in lent[1]:
-            return getattr(lent[0], name)
+            owner = lent[0]
+            # The owner's registered parameter (also what ``functional_call`` swaps in) when it
+            # has one; else whatever its attribute is (a parametrization's property, a tensor).
+            params = owner.__dict__["_parameters"]
+            if name in params and name not in owner.__dict__:
+                return params[name]
+            return getattr(owner, name)
         return super().__getattr__(name)
 
     def lend_parameters(self, owner: torch.nn.Module, names: tuple[str, ...]) -> None:

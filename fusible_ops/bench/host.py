@@ -2,9 +2,9 @@
 
 Host time = CPU time to issue one call (the device is synchronized before each call, then the
 call is timed on the host without waiting for the device). Each workload is timed as ours in
-eager mode, as the plain-PyTorch equivalent in eager mode, and (CUDA) as ours replayed from a
-CUDA graph (:func:`fusible_ops.make_graphed_callables`). Medians over ``--rep`` calls after
-warm-up, with p20 / p80.
+eager mode and as the plain-PyTorch equivalent in eager mode, in turns (one call of each per
+round), and (CUDA) as ours replayed from a CUDA graph (:func:`fusible_ops.make_graphed_callables`).
+Medians over ``--rep`` calls after warm-up, with p20 / p80.
 
 Then one training step of a 4-block model (RMSNorm -> Linear -> SwiGLU -> Linear -> residual
 add, hidden 1024; CUDA only): device time per step (forward, backward, SGD update; CUDA events)
@@ -34,17 +34,31 @@ def _sync(device) -> None:
 
 def host_times_us(fn: Callable[[], None], device, warmup: int, rep: int) -> tuple[float, float, float]:
     """(median, p20, p80) host microseconds to issue ``fn()``."""
+    return host_times_interleaved([fn], device, warmup, rep)[0]
+
+
+def host_times_interleaved(fns: list, device, warmup: int, rep: int) -> list[tuple[float, float, float]]:
+    """(median, p20, p80) host microseconds to issue each of ``fns``, timed in turns (one call
+    of each per round, the order rotating) so that every function sees the same machine state:
+    the ratios between them do not drift with the host's load."""
     for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(rep):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    n = len(fns)
+    for r in range(rep):
+        for j in range(n):
+            k = (j + r) % n
+            _sync(device)
+            t0 = time.perf_counter()
+            fns[k]()
+            times[k].append((time.perf_counter() - t0) * 1e6)
     _sync(device)
-    times.sort()
-    return statistics.median(times), percentile(times, 20), percentile(times, 80)
+    out = []
+    for ts in times:
+        ts.sort()
+        out.append((statistics.median(ts), percentile(ts, 20), percentile(ts, 80)))
+    return out
 
 
 def _fwd_bwd(fn, args, dy):
@@ -133,8 +147,8 @@ def run(device: torch.device, warmup: int = 20, rep: int = 200) -> list[dict]:
     torch.manual_seed(0)
     for name, shape, ours, ours_args, peer, peer_args, dy in _workloads(device, dtype, small):
         row = {"workload": name, "shape": shape}
-        row["ours_us"] = host_times_us(_fwd_bwd(ours, ours_args, dy), device, warmup, rep)
-        row["torch_us"] = host_times_us(_fwd_bwd(peer, peer_args, dy), device, warmup, rep)
+        row["ours_us"], row["torch_us"] = host_times_interleaved(
+            [_fwd_bwd(ours, ours_args, dy), _fwd_bwd(peer, peer_args, dy)], device, warmup, rep)
         if device.type == "cuda":
             static = tuple(a.detach().clone().requires_grad_(a.requires_grad) if a.is_floating_point() else a
                            for a in ours_args)
@@ -209,4 +223,4 @@ def main(args) -> int:
     return 0
 
 
-__all__ = ["host_times_us", "main", "markdown", "run"]
+__all__ = ["host_times_interleaved", "host_times_us", "main", "markdown", "run"]

@@ -30,7 +30,7 @@ def linear_fprop(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
 
 def linear_dgrad(dy2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``dy2d @ w`` ([M, N] @ [N, K] -> [M, K])."""
-    return dy2d @ w
+    return torch.mm(dy2d, w)  # (``@`` adds a Python wrapper's host time)
 
 
 def _mixed_addmm(out, a, b, beta):
@@ -46,7 +46,7 @@ def linear_wgrad(dy2d: torch.Tensor, x2d: torch.Tensor, out: Optional[torch.Tens
     float32): ``accumulate=True`` adds into it, else overwrites it; returns ``out``.
     """
     if out is None:
-        return dy2d.t() @ x2d
+        return torch.mm(dy2d.t(), x2d)
     if tuple(out.shape) != (dy2d.shape[1], x2d.shape[1]):
         raise ValueError(f"linear_wgrad: out must be {(dy2d.shape[1], x2d.shape[1])}, got {tuple(out.shape)}")
     beta = 1.0 if accumulate else 0.0

@@ -312,6 +312,7 @@ class TunedKernel:
         names = list(kernel.arg_names)
         self._key_pos = [(names.index(k), k) for k in key]
         self._chosen: dict = {}
+        self._ready = geometry_cache()  # launch signature -> (grid, meta)
 
     def _key(self, args: tuple, const: dict) -> tuple:
         key = tuple(args[i] if i < len(args) else const[k] for i, k in self._key_pos)
@@ -320,10 +321,23 @@ class TunedKernel:
     def launch(self, grid: Callable[[dict], tuple], args: tuple, const: dict, dtype: torch.dtype,
                device: torch.device) -> None:
         """One launch of the kernel on ``args`` (positional, in the kernel's order) with the
-        constexprs ``const``."""
+        constexprs ``const``. ``grid`` must depend only on the non-tensor arguments, ``const`` and
+        the device (it is evaluated once per such signature)."""
         if device.type != "cuda":
             self.kernel[grid(self.interp_meta)](*args, **const, **self.interp_meta)
             return
+        # Everything a launch decides (config, grid, constexprs, Triton's specialization) is a
+        # function of this signature: computed once per signature, then the binary is launched.
+        sig = (AUTOTUNE, device, *const.items(), *[a.dtype if isinstance(a, torch.Tensor) else a for a in args])
+        ready = self._ready.get(sig)
+        if ready is None:
+            ready = self._prepare(sig, grid, args, const, dtype)
+            if ready is None:  # the autotuner ran (and launched) this call
+                return
+        self.direct(ready[0], sig, args, ready[1])
+
+    def _prepare(self, sig, grid, args, const, dtype):
+        """(grid, meta) of a new signature, or None after a tuning run launched the call itself."""
         if AUTOTUNE:
             key = self._key(args, const)
             cfg = self._chosen.get(key)
@@ -332,11 +346,11 @@ class TunedKernel:
                 best = getattr(self.tuned, "best_config", None)
                 if best is not None:
                     self._chosen[key] = best
-                return
+                return None
         else:
             cfg = self.fixed[1 if dtype == torch.float32 else 0]
         meta = {**const, **cfg.all_kwargs()}
-        self.direct(grid(cfg.kwargs), generic_key(args, meta), args, meta)
+        return remember(self._ready, sig, (grid(cfg.kwargs), meta))
 
 
 __all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "TRITON_DTYPES", "DirectKernel", "TunedKernel", "arg_classes", "as_rows",

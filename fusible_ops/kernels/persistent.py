@@ -219,27 +219,27 @@ _CAPABILITY: dict[int, tuple] = {}
 _allocator_set = threading.local()
 
 
-def _capability(device: torch.device) -> tuple:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    cap = _CAPABILITY.get(idx)
-    if cap is None:
-        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
-    return cap
-
-
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether TMA descriptors can serve these operands: CUDA sm90+, Triton with
     ``tl.make_tensor_descriptor``, a contiguous last dim, 16-byte aligned base and strides, rows
-    of >= 16 bytes. ``FUSIBLE_OPS_GGEMM_TMA=0`` turns TMA off; never under the interpreter."""
-    if os.environ.get("FUSIBLE_OPS_GGEMM_TMA", "1") == "0" or interpreter_enabled() or not _TMA_API:
+    of >= 16 bytes. :data:`TMA` False (``FUSIBLE_OPS_GGEMM_TMA=0`` at import) turns TMA off; never
+    under the interpreter."""
+    if not (TMA and _TMA_API) or interpreter_enabled():
         return False
     for t in tensors:
-        if not t.is_cuda or t.numel() == 0 or t.stride(-1) != 1 or t.data_ptr() % 16:
+        if not t.is_cuda or t.data_ptr() % 16:
             return False
-        if _capability(t.device)[0] < 9:
+        strides, es = t.stride(), t.element_size()
+        if strides[-1] != 1 or t.shape[-1] * es < 16 or not t.numel():
             return False
-        es = t.element_size()
-        if any((s * es) % 16 for s in t.stride()[:-1]) or t.shape[-1] * es < 16:
+        for s in strides[:-1]:
+            if (s * es) % 16:
+                return False
+        idx = t.get_device()
+        cap = _CAPABILITY.get(idx)
+        if cap is None:
+            cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+        if cap[0] < 9:
             return False
     # Device-side descriptors need a global scratch allocation (graph-capturable torch.empty).
     # Triton keeps the allocator per thread (autograd runs backward on its own threads): set it
@@ -250,6 +250,9 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
+TMA = os.environ.get("FUSIBLE_OPS_GGEMM_TMA", "1") != "0"
+"""Use TMA descriptors where :func:`tma_ok` allows (``FUSIBLE_OPS_GGEMM_TMA=0`` at import, or
+setting this to False, forces masked pointer loads everywhere)."""
 _TMA_API = HAS_TRITON and hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
 
 

@@ -61,14 +61,15 @@ class BasicLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
         return cls(n, n + 3, **factory), n + 3
 
     # pieces protocol (see BasicOperation) ----------------------------------------------
-    def check_input(self, x: torch.Tensor) -> None:
-        """Raise a clear error if ``x`` cannot be this linear's input."""
-        check_input(self, x, features=self.in_features, like=self.weight)
+    def check_input(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> None:
+        """Raise a clear error if ``x`` cannot be this linear's input (``weight``: the weight of
+        this call, when the caller has it already)."""
+        check_input(self, x, features=self.in_features, like=self.weight if weight is None else weight)
 
-    def save_ctx(self, ctx, x: torch.Tensor) -> None:
+    def save_ctx(self, ctx, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> None:
         """What backward needs: x only for the weight gradient, the weight only for dgrad.
         Sets ``ctx.weight_grad``."""
-        w = self.weight
+        w = self.weight if weight is None else weight
         ctx.weight_grad = wg = ctx.weight_requires_grad and w.requires_grad
         ctx.save_for_backward(x if wg else None, w if ctx.input_requires_grad else None)
         ctx.input_shape = x.shape
@@ -76,17 +77,18 @@ class BasicLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
     def fprop(self, ctx, x: torch.Tensor, bias=None) -> torch.Tensor:
         """Checked ``x @ weight.T (+ bias)`` with the ctx filled for this op's backward (FP8
         under an active recipe, the bias then added after the GEMM). The piece fused ops call."""
-        self.check_input(x)
+        w = self.weight
+        check_input(self, x, features=self.in_features, like=w)
         recipe = current_recipe()
         if recipe is not None:
             y = fp8_forward(self, ctx, x, recipe)
             return y + bias if bias is not None else y
         ctx.fp8 = None
-        if isinstance(x, Float8Tensor):
+        if type(x) is Float8Tensor:
             x = x.dequantize()
-        y = linear_fprop(x, self.weight, bias)
+        y = linear_fprop(x, w, bias)
         if ctx.requires_grad:
-            self.save_ctx(ctx, x)
+            self.save_ctx(ctx, x, w)
         return y
 
     def input_quantizer(self):

@@ -12,7 +12,7 @@ import torch
 
 import fusible_ops.kernels as K
 from fusible_ops.kernels import fp8_grouped_gemm as F
-from fusible_ops.kernels import launch
+from fusible_ops.kernels import launch, persistent
 from fusible_ops.testing import SQNR_DB, assert_close_norm, assert_sqnr
 
 KERNEL_DB = SQNR_DB["kernel", "fp8 operands"]
@@ -219,7 +219,7 @@ def _skip_without_fp8():
 def test_gpu_mm_and_wgrad(tma, dtypes, splits, monkeypatch):
     _skip_without_fp8()
     if not tma:
-        monkeypatch.setenv("FUSIBLE_OPS_GGEMM_TMA", "0")
+        monkeypatch.setattr(persistent, "TMA", False)
     M, N, K = sum(splits), 272, 384
     a, b, bias, split = _case(M, N, K, splits, *dtypes)
     d = "cuda"
@@ -300,7 +300,7 @@ def test_gpu_block_scaled_mm_and_wgrad(tma, splits, monkeypatch):
     """Block-scaled kernels on real e4m3 against float64 on the same FP8 operands."""
     _skip_without_fp8()
     if not tma:
-        monkeypatch.setenv("FUSIBLE_OPS_GGEMM_TMA", "0")
+        monkeypatch.setattr(persistent, "TMA", False)
     N, Kd = 256, 384
     x, dy, w, split = _block_case(splits, N, Kd, seed=1)
     G = len(splits)

@@ -10,7 +10,7 @@ import torch
 
 import fusible_ops.kernels as K
 from fusible_ops.kernels import grouped_gemm as gg
-from fusible_ops.kernels import launch
+from fusible_ops.kernels import launch, persistent
 from fusible_ops.testing import assert_close, assert_close_norm
 
 CUDA = torch.cuda.is_available()
@@ -234,7 +234,7 @@ def test_gpu_many_groups():
 
 @pytest.mark.gpu
 def test_gpu_pointer_path_matches(monkeypatch):
-    monkeypatch.setenv("FUSIBLE_OPS_GGEMM_TMA", "0")
+    monkeypatch.setattr(persistent, "TMA", False)
     x, w, b, dy, split = _data(1000, 200, 136, [300, 0, 411, 1, 288], torch.bfloat16, "cuda")
     assert_close_norm(gg.grouped_gemm_fwd(x, w, split, b), fwd64(x, w, split, b), torch.bfloat16)
     assert_close_norm(gg.grouped_gemm_dgrad(dy, w, split), dgrad64(dy, w, split), torch.bfloat16)
