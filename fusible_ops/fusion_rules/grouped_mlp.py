@@ -76,7 +76,7 @@ class FusedGroupedMLP(FusedOperation):
         if recipe is not None:
             out = fp8_mlp_forward(self, ctxs, x2d, splits, scales, recipe, gather)
             c1.input_shape = in_shape
-            return out.reshape(*lead, fc2.out_features), [(), (), ()]
+            return _shaped(out, (*lead, fc2.out_features)), [(), (), ()]
         c1.fp8 = None
         y, h = gm.grouped_glu_fwd(x2d, fc1.weight, splits, fc1.bias, act.kind, scales, gather)
         out = gg.grouped_gemm_fwd(y, fc2.weight, splits, fc2.bias)
@@ -86,17 +86,17 @@ class FusedGroupedMLP(FusedOperation):
             ca.save_for_backward(h, scales)
             ca.scales_grad = scaled and scales.requires_grad
             fc2.save_ctx(c2, None, splits, y.shape)  # FC2's input y is recomputed in backward
-        return out.reshape(*lead, fc2.out_features), [(), (), ()]
+        return _shaped(out, (*lead, fc2.out_features)), [(), (), ()]
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
         fc1, act, fc2 = self.basic_ops
         c1, ca, c2 = ctxs
         if getattr(c1, "fp8", None) is not None:
-            dx, g1, g2, dscales = fp8_mlp_backward(self, ctxs, dy.reshape(-1, fc2.out_features))
+            dx, g1, g2, dscales = fp8_mlp_backward(self, ctxs, _shaped(dy, (-1, fc2.out_features)))
         else:
             dx, g1, g2, dscales = self._backward_bf16(ctxs, dy)
         if dx is not None:
-            dx = dx.reshape(c1.input_shape)
+            dx = _shaped(dx, c1.input_shape)
         if dscales is not None:
             dscales = dscales.to(ca.saved_tensors[1].dtype).reshape(ca.scales_shape)
         extra_act = (dscales,) if isinstance(act, ScaledSwiGLU) else ()
@@ -109,7 +109,7 @@ class FusedGroupedMLP(FusedOperation):
         x2d, w1, splits = c1.saved_tensors
         h, scales = ca.saved_tensors
         _, w2, _ = c2.saved_tensors
-        dy2 = dy.reshape(-1, fc2.out_features)
+        dy2 = _shaped(dy, (-1, fc2.out_features))
         need_dh = c1.input_requires_grad or c1.weight_grad or c1.bias_grad or ca.scales_grad
         dh = dscales = None
         if need_dh or c2.weight_grad:
@@ -133,6 +133,14 @@ class FusedGroupedMLP(FusedOperation):
         g1 = (dw1, db1) if fc1.bias is not None else (dw1,)
         g2 = (dw2, db2) if fc2.bias is not None else (dw2,)
         return dx, g1, g2, dscales
+
+
+def _shaped(t: torch.Tensor, shape) -> torch.Tensor:
+    """``t.reshape(shape)``, or ``t`` itself when it has that shape already (a reshape costs host
+    time). ``shape`` may hold one -1 in front (rows)."""
+    if len(shape) == t.dim() and (t.shape == shape or (shape[0] == -1 and t.shape[1:] == shape[1:])):
+        return t
+    return t.reshape(shape)
 
 
 def _same_tensor(a, b) -> bool:

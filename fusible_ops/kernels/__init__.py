@@ -26,7 +26,7 @@ import threading
 import torch
 
 _MODES = ("auto", "triton", "reference")
-_CPU = torch.device("cpu")
+_F64 = torch.float64
 _state = threading.local()
 
 try:  # Triton is optional on platforms without it (macOS, Windows).
@@ -88,21 +88,19 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
     mode = getattr(_state, "mode", None) or _ENV_MODE
     if mode == "reference":
         return False
-    device = None
+    cuda = None
     for t in tensors:  # (a loop, not any(): this runs on every kernel call)
         if t is not None:
-            if t.dtype == torch.float64:
+            if t.dtype is _F64:
                 return False
-            if device is None:
-                device = t.device
-    if device is None:
-        device = _CPU
+            if cuda is None:
+                cuda = t.is_cuda
     if mode == "auto":
-        return HAS_TRITON and device.type == "cuda"
+        return HAS_TRITON and cuda is True
     # mode == "triton"
     if not HAS_TRITON:
         raise RuntimeError("fusible_ops.kernels.use('triton'): triton is not installed")
-    if device.type != "cuda" and not interpreter_enabled():
+    if not cuda and not interpreter_enabled():
         raise RuntimeError(
             "fusible_ops.kernels.use('triton') on CPU tensors needs Triton's interpreter: "
             "set TRITON_INTERPRET=1 before importing triton"

@@ -198,6 +198,10 @@ class DirectKernel:
         for a in args:
             if isinstance(a, torch.Tensor):
                 ptrs |= a.data_ptr()
+        self.launch_keyed(grid, key, args, meta, ptrs)
+
+    def launch_keyed(self, grid: tuple, key, args: tuple, meta: dict, ptrs: int) -> None:
+        """:meth:`__call__` for a caller that has OR-ed the tensors' data pointers into ``ptrs``."""
         entry = self._bins.get(key) if DIRECT and not ptrs & 15 else None
         if entry is None:
             self._first(grid, key, args, meta, not ptrs & 15)
@@ -328,13 +332,20 @@ class TunedKernel:
             return
         # Everything a launch decides (config, grid, constexprs, Triton's specialization) is a
         # function of this signature: computed once per signature, then the binary is launched.
-        sig = (AUTOTUNE, device, *const.items(), *[a.dtype if isinstance(a, torch.Tensor) else a for a in args])
+        sig, ptrs = [AUTOTUNE, device, *const.items()], 0
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                sig.append(a.dtype)
+                ptrs |= a.data_ptr()
+            else:
+                sig.append(a)
+        sig = tuple(sig)
         ready = self._ready.get(sig)
         if ready is None:
             ready = self._prepare(sig, grid, args, const, dtype)
             if ready is None:  # the autotuner ran (and launched) this call
                 return
-        self.direct(ready[0], sig, args, ready[1])
+        self.direct.launch_keyed(ready[0], sig, args, ready[1], ptrs)
 
     def _prepare(self, sig, grid, args, const, dtype):
         """(grid, meta) of a new signature, or None after a tuning run launched the call itself."""

@@ -362,8 +362,8 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
     dx2 = dx.view(rows, n)
     dw_part = xsum.new_empty((nprog, n), dtype=torch.float32) if need_dweight else dx2
     db_part = xsum.new_empty((nprog, n), dtype=torch.float32) if need_db_kernel else dx2
-    rstd = rstd.contiguous()
-    mean = rstd if is_rms else mean.contiguous()
+    rstd = _c(rstd, rstd)
+    mean = rstd if is_rms else _c(mean, mean)
     _BWD(grid, key, (dy2, xs2, _c(weight, xs2), mean, rstd, dxe2, dx2, dw_part, db_part, rows, n,
                      dy2.stride(0), xs2.stride(0), dxe2.stride(0), dx2.stride(0)), meta)
     dw = dw_part.sum(0).to(pdtype) if need_dweight else empty()
@@ -379,8 +379,9 @@ def _meta_of(t: Optional[torch.Tensor]):
 
 
 def _c(t: Optional[torch.Tensor], dummy: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous, or the dummy pointer for an absent tensor."""
-    return t.contiguous() if t is not None else dummy
+    """``t`` contiguous, or the dummy pointer for an absent tensor (``.contiguous()`` of a
+    contiguous tensor still costs host time)."""
+    return dummy if t is None else t if t.is_contiguous() else t.contiguous()
 
 
 if HAS_TRITON:

@@ -50,7 +50,8 @@ def check_split_sizes(op, split_sizes, num_groups: int, rows: int, device: torch
         if sum(values) != rows:
             raise ValueError(f"{name}: split sizes sum to {sum(values)} but the input has {rows} rows")
     else:  # CUDA, or traced by torch.compile: checked on the device, no host sync
-        split_sizes = split_sizes.to(device=device, dtype=torch.int64)
+        if split_sizes.dtype != torch.int64 or split_sizes.device != device:  # (.to costs host time)
+            split_sizes = split_sizes.to(device=device, dtype=torch.int64)
         if not torch.compiler.is_compiling() and use_triton(split_sizes):
             ok = splits_ok(split_sizes, rows)  # one launch
         else:
@@ -130,7 +131,7 @@ class GroupedLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
     def prepare(self, x: torch.Tensor, split_sizes) -> tuple[torch.Tensor, torch.Tensor]:
         """Validate inputs; return (x as [rows, in], split sizes as int64 on x's device)."""
         check_input(self, x, features=self.in_features, like=self.weight)
-        x2d = x.reshape(-1, self.in_features)
+        x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         splits = check_split_sizes(self, split_sizes, self.num_groups, x2d.shape[0], x.device)
         return x2d, splits
 

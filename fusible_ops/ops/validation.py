@@ -15,19 +15,19 @@ def check_input(op, x: torch.Tensor, *, features: Optional[int] = None, like: Op
     device that does not match the op's parameter ``like``. ``shape`` (optional) is checked in
     place of ``x.shape``: a fused op validates an input it has not computed yet (same dtype and
     device as ``x``) without allocating it."""
-    name = type(op).__name__
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: input must be a tensor, got {type(x).__name__}")
+        raise TypeError(f"{type(op).__name__}: input must be a tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name}: input dtype {x.dtype} is not a floating-point dtype {FLOAT_DTYPES}")
+        raise TypeError(f"{type(op).__name__}: input dtype {x.dtype} is not a floating-point dtype {FLOAT_DTYPES}")
     shape = x.shape if shape is None else tuple(shape)
     if features is not None and (len(shape) == 0 or shape[-1] != features):
-        raise ValueError(f"{name}: input's last dim must be {features}, got shape {list(shape)}")
+        raise ValueError(f"{type(op).__name__}: input's last dim must be {features}, got shape {list(shape)}")
     if like is not None:
-        if x.device != like.device:
-            raise RuntimeError(f"{name}: input is on {x.device} but the op's parameters are on {like.device}")
+        gd = x.get_device()  # (an int: cheaper than comparing devices; -1 off CUDA)
+        if gd != like.get_device() or (gd < 0 and x.device != like.device):
+            raise RuntimeError(f"{type(op).__name__}: input is on {x.device} but the op's parameters are on {like.device}")
         if same_dtype and x.dtype != like.dtype:
-            raise TypeError(f"{name}: input dtype {x.dtype} does not match parameter dtype {like.dtype}")
+            raise TypeError(f"{type(op).__name__}: input dtype {x.dtype} does not match parameter dtype {like.dtype}")
 
 
 def check_same(op, what: str, t: torch.Tensor, x: torch.Tensor, *, shape: bool = True) -> None:
