@@ -383,10 +383,10 @@ class _BackwardContext:
     (nothing created in forward is mutated, so torch.compile can trace the backward too)."""
 
     def __init__(self, base: OperationContext, saved: tuple) -> None:
-        d = self.__dict__
-        d.update(base.__dict__)
-        d["_base"] = base
-        d["_saved"] = saved
+        if not _is_compiling():  # (eager: attribute reads then skip __getattr__; dynamo reads through it)
+            self.__dict__.update(base.__dict__)
+        self._base = base
+        self._saved = saved
 
     @property
     def saved_tensors(self) -> tuple:
@@ -395,8 +395,8 @@ class _BackwardContext:
     def release(self) -> None:
         self._saved = ()
 
-    def __getattr__(self, name: str):  # (class attributes of the forward ctx's type)
-        return getattr(self.__dict__["_base"], name)
+    def __getattr__(self, name: str):  # (under torch.compile; class attributes of the ctx's type)
+        return getattr(self._base, name)
 
 
 class _FuserFunction(torch.autograd.Function):
