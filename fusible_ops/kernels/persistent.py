@@ -256,23 +256,8 @@ setting this to False, forces masked pointer loads everywhere)."""
 _TMA_API = HAS_TRITON and hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
 
 
-_SCRATCH: dict = {}  # (device index, raw stream) -> int8 buffer reused by eager launches on that stream
-
-
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Triton's global scratch for device-side TMA descriptors (rewritten by every launch before
-    it is read). Eager launches reuse one buffer per device and stream: launches on one stream run
-    in order, so they never use it at the same time. A launch being captured in a CUDA graph gets
-    a fresh allocation (from the graph's pool), as a replay may run beside eager work."""
-    if torch.cuda.is_current_stream_capturing():
-        return torch.empty(size, dtype=torch.int8, device="cuda")
-    key = (torch._C._cuda_getDevice(), stream)
-    buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < size:
-        if len(_SCRATCH) >= 64:  # streams come and go: stay bounded
-            _SCRATCH.clear()
-        buf = _SCRATCH[key] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
-    return buf
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def check_splits(split_sizes: torch.Tensor, G: int, *tensors: torch.Tensor) -> None:
