@@ -476,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of variants to run (the case's eager baseline always runs), "
                         "e.g. fused,grouped_mm")
     p.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
+    p.add_argument("--pin", action="store_true",
+                   help="host_overhead on CUDA: pin this process to one CPU core (Linux) for steadier host times")
     return p
 
 
