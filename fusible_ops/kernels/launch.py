@@ -135,6 +135,8 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     Views when the strides allow it; otherwise copies (``reshape`` / ``contiguous``). Zero
     columns keep the rows (``[n, 0]``).
     """
+    if x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] <= 1):  # already rows (no reshape: host time)
+        return x
     if x.dim() == 0:
         x2 = x.reshape(1, -1)
     else:

@@ -262,11 +262,12 @@ if HAS_TRITON:
 
 
 def _fwd_outputs(x: torch.Tensor, residual: Optional[torch.Tensor], is_rms: bool, with_y: bool = True):
-    """Fresh (y, mean, rstd, xsum) of the forward (real or fake tensors): mean and rstd fp32 [rows];
-    a [0] placeholder for mean (RMSNorm) and for xsum (no residual); y None without ``with_y``."""
+    """Fresh (y, mean, rstd, xsum) of the forward (real or fake tensors): mean and rstd fp32 [rows]
+    (RMSNorm: mean is rstd itself, a dtype carrier its callers drop); a [0] placeholder for xsum
+    (no residual); y None without ``with_y``."""
     rows = math.prod(x.shape[:-1])
     y, rstd = x.new_empty(x.shape) if with_y else None, x.new_empty(rows, dtype=torch.float32)
-    mean = rstd.new_empty(0 if is_rms else rows)
+    mean = rstd if is_rms else rstd.new_empty(rows)  # (RMSNorm: no mean; its callers drop this slot)
     return y, mean, rstd, x.new_empty(x.shape if residual is not None else 0)
 
 
@@ -287,7 +288,8 @@ _PLAIN = (0, None)  # fp8 output spec (OUT_MODE, fp8 dtype) of a plain call
 
 
 def _norm_fwd_launch(x, weight, bias, eps, residual, is_rms, fp8=_PLAIN, qscale=None, amax=None):
-    """Triton forward. Returns (y, mean, rstd, xsum) with mean/xsum a [0] placeholder when unused.
+    """Triton forward. Returns (y, mean, rstd, xsum): mean is rstd under RMSNorm, xsum a [0]
+    placeholder without residual.
     ``fp8``: as in :func:`fusible_ops.kernels.activation._act_fwd_launch`; OUT_MODE 2 returns the
     FP8 bytes q [rows, N] in place of y."""
     key = ("fwd", x.shape, x.stride(), x.dtype, x.device, _meta_of(weight), _meta_of(bias),
@@ -305,8 +307,8 @@ def _norm_fwd_launch(x, weight, bias, eps, residual, is_rms, fp8=_PLAIN, qscale=
         return y, mean, rstd, xsum
     x2 = as_rows(x)
     r2 = as_rows(residual) if residual is not None else x2
-    xs2 = xsum.view(rows, n) if residual is not None else x2
-    y2 = y.view(rows, n) if mode != 2 else x2  # (mode 2: a dtype carrier)
+    xs2 = (xsum if xsum.dim() == 2 else xsum.view(rows, n)) if residual is not None else x2
+    y2 = (y if y.dim() == 2 else y.view(rows, n)) if mode != 2 else x2  # (mode 2: a dtype carrier)
     fp8_args = (y, qscale, amax) if mode == 2 else (y2, x2, amax if mode else x2)
     _FWD(grid, key, (x2, r2, xs2, y2, _c(weight, x2), _c(bias, x2), mean if not is_rms else rstd, rstd,
                      rows, n, x2.stride(0), r2.stride(0), xs2.stride(0), y2.stride(0), float(eps), *fp8_args), meta)
@@ -338,7 +340,8 @@ def _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, has_w, has_dxe):
 
 
 def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra, is_rms):
-    """Triton backward. Returns (dx, dweight, dbias) with [0] placeholders for what is not needed."""
+    """Triton backward. Returns (dx, dweight, dbias) with [0] placeholders for what is not needed
+    (dbias None under RMSNorm)."""
     pdtype = weight.dtype if weight is not None else xsum.dtype
     need_dweight = bool(need_dweight) and weight is not None
     need_dbias = bool(need_dbias)
@@ -359,19 +362,25 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
     dy2 = as_rows(dy)
     xs2 = as_rows(xsum)
     dxe2 = as_rows(dxsum_extra) if dxsum_extra is not None else dy2
-    dx2 = dx.view(rows, n)
+    dx2 = dx if dx.dim() == 2 else dx.view(rows, n)
     dw_part = xsum.new_empty((nprog, n), dtype=torch.float32) if need_dweight else dx2
     db_part = xsum.new_empty((nprog, n), dtype=torch.float32) if need_db_kernel else dx2
     rstd = _c(rstd, rstd)
     mean = rstd if is_rms else _c(mean, mean)
     _BWD(grid, key, (dy2, xs2, _c(weight, xs2), mean, rstd, dxe2, dx2, dw_part, db_part, rows, n,
                      dy2.stride(0), xs2.stride(0), dxe2.stride(0), dx2.stride(0)), meta)
-    dw = dw_part.sum(0).to(pdtype) if need_dweight else empty()
+    dw = _to(dw_part.sum(0), pdtype) if need_dweight else empty()
     if db_colsum:  # fp32 accumulation, deterministic (torch reductions use no atomics)
-        db = dy2.sum(0, dtype=torch.float32).to(pdtype)
+        db = _to(dy2.sum(0, dtype=torch.float32), pdtype)
+    elif need_dbias:
+        db = _to(db_part.sum(0), pdtype)
     else:
-        db = db_part.sum(0).to(pdtype) if need_dbias else empty()
+        db = None if is_rms else empty()  # (RMSNorm's callers drop this slot)
     return dx, dw, db
+
+
+def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)  # (a no-op .to still costs host time)
 
 
 def _meta_of(t: Optional[torch.Tensor]):

@@ -35,7 +35,8 @@ def check_same(op, what: str, t: torch.Tensor, x: torch.Tensor, *, shape: bool =
     name = type(op).__name__
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: {what} must be a tensor, got {type(t).__name__}")
-    if t.device != x.device:
+    gd = t.get_device()  # (as in check_input)
+    if gd != x.get_device() or (gd < 0 and t.device != x.device):
         raise RuntimeError(f"{name}: {what} is on {t.device} but the input is on {x.device}")
     if t.dtype != x.dtype:
         raise TypeError(f"{name}: {what} dtype {t.dtype} does not match input dtype {x.dtype}")
