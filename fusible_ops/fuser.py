@@ -46,8 +46,8 @@ class Plan:
     op_kwargs: list[dict]
     # which flat extra inputs / parameters autograd wants a gradient for (they require grad: part
     # of the plan key); backward returns None for the others
-    extra_keep: tuple = ()
-    param_keep: tuple = ()
+    extra_keep: tuple
+    param_keep: tuple
 
     def __post_init__(self) -> None:
         # What every call reads, computed once per plan (the host path stays short).

@@ -42,8 +42,8 @@ from fusible_ops.kernels.activation_ref import (  # noqa: F401  (re-exported: on
 )
 from fusible_ops.kernels.dropout import check_p_seed, keep_scale, seed_tensor
 from fusible_ops.kernels.fp8_cast import FP8_MAX_OF, fp8_epilogue_ref
-from fusible_ops.kernels.launch import (MIN_BLOCK_C, DirectKernel, as_rows, cdiv, elementwise_config, geometry_cache,
-                                        kernel_op, needs_int64, next_pow2, num_sms, remember)
+from fusible_ops.kernels.launch import (MIN_BLOCK_C, DirectKernel, as_rows, cdiv, contiguous_or, elementwise_config,
+                                        geometry_cache, kernel_op, needs_int64, next_pow2, num_sms, remember)
 
 if HAS_TRITON:
     import triton
@@ -271,7 +271,7 @@ def _act_fwd_launch(x, bias, scales, kind, dropout_p, seed, fp8=_PLAIN, qscale=N
         y = x.new_empty(out_shape)
     if grid is not None:
         x2 = _rows_of(x, asis)  # a view when possible (column stride must be 1), else a copy
-        bias_c = x2 if bias is None else bias if bias.is_contiguous() else bias.contiguous()
+        bias_c = contiguous_or(bias, x2)
         scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
         outs = (x2, y, qscale, amax) if mode == 2 else (y, y, x2, amax if mode == 1 else x2)
         _FWD(grid, key, (x2, bias_c, scales_c, outs[0], x2.shape[0], out_shape[-1], x2.stride(0), float(dropout_p),
@@ -338,7 +338,7 @@ def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout
            if need_dbias else x2)
     dsp = (torch.empty((n_col_blocks, n_rows), dtype=scales.dtype if one_block else torch.float32, device=x.device)
            if need_dscales else x2)
-    bias_c = x2 if bias is None else bias if bias.is_contiguous() else bias.contiguous()
+    bias_c = contiguous_or(bias, x2)
     scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
     _BWD(grid, key, (dy2, x2, bias_c, scales_c, dx, dbp, dsp, n_rows, n_out, dy2.stride(0), x2.stride(0),
                      rows_per_prog, float(dropout_p), keep_scale(dropout_p), seed if drop else x2,

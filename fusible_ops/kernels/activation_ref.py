@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from fusible_ops.kernels.act_table import ACT_IDS, GLU_BASE, act_and_grad_ref
 from fusible_ops.kernels.dropout import check_p_seed, dropout_keep_mask, keep_scale
-from fusible_ops.kernels.launch import compute_dtype
+from fusible_ops.kernels.launch import cast_to, compute_dtype
 
 ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "geglu_tanh", "reglu")
 GATED: frozenset[str] = frozenset({"swiglu", "geglu", "geglu_tanh", "reglu"})
@@ -117,13 +117,9 @@ def _halves(z):
     return z.chunk(2, -1)  # (even last dim: checked)
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)  # (.to costs host time even when it is a no-op)
-
-
 def _z_ref(x, bias, cd):
-    z = _cast(x, cd)
-    return z + _cast(bias, cd) if bias is not None else z
+    z = cast_to(x, cd)
+    return z + cast_to(bias, cd) if bias is not None else z
 
 
 def _drop_factor_ref(shape, dropout_p, seed, device, cd) -> Optional[torch.Tensor]:
@@ -153,7 +149,7 @@ def bias_act_fwd_ref(
     m = _drop_factor_ref(y.shape, dropout_p, seed, x.device, cd)
     if m is not None:
         y = y * m
-    return _cast(y, x.dtype)
+    return cast_to(y, x.dtype)
 
 
 def bias_act_bwd_ref(
@@ -166,7 +162,7 @@ def bias_act_bwd_ref(
     base, gated = _base(kind), kind in GATED
     cd = compute_dtype(x.dtype)
     z = _z_ref(x, bias, cd)
-    g = _cast(dy, cd)
+    g = cast_to(dy, cd)
     m = _drop_factor_ref(g.shape, dropout_p, seed, x.device, cd)
     if m is not None:
         g = g * m
@@ -178,8 +174,8 @@ def bias_act_bwd_ref(
     dbias = None
     if need_dbias and bias is not None:
         lead = dz.dim() - 1
-        dbias = _cast(dz.clone() if lead == 0 else dz.sum(0) if lead == 1 else dz.flatten(0, -2).sum(0), bias.dtype)
-    return _cast(dz, x.dtype), dbias
+        dbias = cast_to(dz.clone() if lead == 0 else dz.sum(0) if lead == 1 else dz.flatten(0, -2).sum(0), bias.dtype)
+    return cast_to(dz, x.dtype), dbias
 
 
 def scaled_swiglu_fwd_ref(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -146,6 +146,18 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x2
 
 
+def cast_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, or ``t`` itself when it has that dtype (a no-op ``.to`` still costs host
+    time)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def contiguous_or(t: Optional[torch.Tensor], dummy: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous (itself when it is already: ``.contiguous()`` still costs host time), or
+    ``dummy`` (a pointer for an absent kernel argument) when ``t`` is None."""
+    return dummy if t is None else t if t.is_contiguous() else t.contiguous()
+
+
 def needs_int64(n_rows: int, n_cols: int) -> bool:
     """Whether the dropout-mask counters of an ``[n_rows, n_cols]`` view need int64."""
     return n_rows * ((n_cols + 3) // 4) >= INT64_MIN_COUNTERS
@@ -367,6 +379,6 @@ class TunedKernel:
 
 
 __all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "TRITON_DTYPES", "DirectKernel", "TunedKernel", "arg_classes", "as_rows",
-           "cdiv", "clear_geometry_caches", "compute_dtype", "dot_precision", "elementwise_config", "generic_key",
+           "cast_to", "cdiv", "clear_geometry_caches", "compute_dtype", "contiguous_or", "dot_precision", "elementwise_config", "generic_key",
            "geometry_cache",
            "kernel_op", "needs_int64", "next_pow2", "num_sms", "remember"]

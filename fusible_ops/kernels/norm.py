@@ -37,7 +37,8 @@ import torch
 from . import HAS_TRITON, interpreter_enabled, use_triton
 from .fp8_cast import FP8_MAX_OF, fp8_epilogue_ref
 from . import norm_config as cfg
-from .launch import TRITON_DTYPES, DirectKernel, as_rows, cdiv, geometry_cache, kernel_op, num_sms, remember
+from .launch import (TRITON_DTYPES, DirectKernel, as_rows, cast_to, cdiv, contiguous_or, geometry_cache, kernel_op,
+                     num_sms, remember)
 from .norm_ref import (  # noqa: F401  (re-exported: one module to import)
     layernorm_bwd_ref,
     layernorm_fwd_ref,
@@ -310,7 +311,8 @@ def _norm_fwd_launch(x, weight, bias, eps, residual, is_rms, fp8=_PLAIN, qscale=
     xs2 = (xsum if xsum.dim() == 2 else xsum.view(rows, n)) if residual is not None else x2
     y2 = (y if y.dim() == 2 else y.view(rows, n)) if mode != 2 else x2  # (mode 2: a dtype carrier)
     fp8_args = (y, qscale, amax) if mode == 2 else (y2, x2, amax if mode else x2)
-    _FWD(grid, key, (x2, r2, xs2, y2, _c(weight, x2), _c(bias, x2), mean if not is_rms else rstd, rstd,
+    _FWD(grid, key, (x2, r2, xs2, y2, contiguous_or(weight, x2), contiguous_or(bias, x2),
+                     mean if not is_rms else rstd, rstd,
                      rows, n, x2.stride(0), r2.stride(0), xs2.stride(0), y2.stride(0), float(eps), *fp8_args), meta)
     return y, mean, rstd, xsum
 
@@ -365,32 +367,22 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
     dx2 = dx if dx.dim() == 2 else dx.view(rows, n)
     dw_part = xsum.new_empty((nprog, n), dtype=torch.float32) if need_dweight else dx2
     db_part = xsum.new_empty((nprog, n), dtype=torch.float32) if need_db_kernel else dx2
-    rstd = _c(rstd, rstd)
-    mean = rstd if is_rms else _c(mean, mean)
-    _BWD(grid, key, (dy2, xs2, _c(weight, xs2), mean, rstd, dxe2, dx2, dw_part, db_part, rows, n,
+    rstd = contiguous_or(rstd, rstd)
+    mean = rstd if is_rms else contiguous_or(mean, mean)
+    _BWD(grid, key, (dy2, xs2, contiguous_or(weight, xs2), mean, rstd, dxe2, dx2, dw_part, db_part, rows, n,
                      dy2.stride(0), xs2.stride(0), dxe2.stride(0), dx2.stride(0)), meta)
-    dw = _to(dw_part.sum(0), pdtype) if need_dweight else empty()
+    dw = cast_to(dw_part.sum(0), pdtype) if need_dweight else empty()
     if db_colsum:  # fp32 accumulation, deterministic (torch reductions use no atomics)
-        db = _to(dy2.sum(0, dtype=torch.float32), pdtype)
+        db = cast_to(dy2.sum(0, dtype=torch.float32), pdtype)
     elif need_dbias:
-        db = _to(db_part.sum(0), pdtype)
+        db = cast_to(db_part.sum(0), pdtype)
     else:
         db = None if is_rms else empty()  # (RMSNorm's callers drop this slot)
     return dx, dw, db
 
 
-def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)  # (a no-op .to still costs host time)
-
-
 def _meta_of(t: Optional[torch.Tensor]):
     return None if t is None else (t.shape, t.dtype, t.is_contiguous())
-
-
-def _c(t: Optional[torch.Tensor], dummy: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous, or the dummy pointer for an absent tensor (``.contiguous()`` of a
-    contiguous tensor still costs host time)."""
-    return dummy if t is None else t if t.is_contiguous() else t.contiguous()
 
 
 if HAS_TRITON:

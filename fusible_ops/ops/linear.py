@@ -61,10 +61,9 @@ class BasicLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
         return cls(n, n + 3, **factory), n + 3
 
     # pieces protocol (see BasicOperation) ----------------------------------------------
-    def check_input(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> None:
-        """Raise a clear error if ``x`` cannot be this linear's input (``weight``: the weight of
-        this call, when the caller has it already)."""
-        check_input(self, x, features=self.in_features, like=self.weight if weight is None else weight)
+    def check_input(self, x: torch.Tensor) -> None:
+        """Raise a clear error if ``x`` cannot be this linear's input."""
+        check_input(self, x, features=self.in_features, like=self.weight)
 
     def save_ctx(self, ctx, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> None:
         """What backward needs: x only for the weight gradient, the weight only for dgrad.
