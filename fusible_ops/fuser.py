@@ -57,6 +57,36 @@ class Plan:
         self.backward_steps = [(g.op, g.indices, self.op_kwargs[g.indices[0]]["prev_op_grad_output_quantizer"])
                                for g in reversed(self.backward) if g.indices[-1] >= self.backward_stop]
         self.backward_complete = all(g.indices[-1] >= self.backward_stop for g in self.backward)
+        self.no_param_grads = [(None,) * c for c in self.param_counts]
+
+    def compile_steps(self, ops: Sequence[BasicOperation]) -> None:
+        """The steps as the fuser's autograd function runs them (rebuilt when the steps change).
+
+        Forward: ``(op, indices, kwargs, direct, plain_in)``; backward: ``(op, indices, gq,
+        direct, plain_in)``. ``direct``: one basic op with no extra inputs or outputs that keeps
+        :class:`BasicOperation`'s ``fuser_forward`` / ``fuser_backward``, so the step calls its
+        ``op_forward`` (with the non-None kwargs, found here once) / ``op_backward`` itself.
+        ``plain_in``: the basic op the step starts with (forward: its first, backward: its last)
+        reads plain tensors, so a Float8Tensor is dequantized for it."""
+        def direct(op, idx, hook):
+            return (len(idx) == 1 and isinstance(op, BasicOperation) and not op.num_extra_inputs
+                    and not op.num_extra_outputs and getattr(type(op), hook) is getattr(BasicOperation, hook))
+
+        def plain_in(i):
+            return not getattr(ops[i], "accepts_fp8", False)
+
+        fwd = []
+        for op, idx, kws in self.forward_steps:
+            if direct(op, idx, "fuser_forward"):
+                fwd.append((op, idx[0], {k: v for k, v in kws[0].items() if v is not None}, True,
+                            plain_in(idx[0])))
+            else:
+                fwd.append((op, idx, kws, False, plain_in(idx[0])))
+        bwd = []
+        for op, idx, gq in self.backward_steps:
+            ok = gq is None and direct(op, idx, "fuser_backward")
+            bwd.append((op, idx[0] if ok else idx, gq, ok, plain_in(idx[-1])))
+        self.forward_program, self.backward_program = fwd, bwd
 
 
 def _verify(ops: Sequence[BasicOperation], groups: list[Group], pass_: str) -> None:
@@ -114,6 +144,7 @@ class _RoutedSteps:
         plan.forward_steps = [(self, self.all, plan.op_kwargs)]
         plan.backward_steps = [(self, self.all, None)] if plan.backward_steps else []
         plan.backward_complete = True  # this step returns None for dx itself when incomplete
+        plan.compile_steps(self.ops)
 
     def fuser_forward(self, ctxs, x, *, extra_inputs, basic_op_kwargs):
         ops = self.ops
@@ -195,6 +226,7 @@ class OperationFuser:
             getattr(op, "accumulate_into_main_grad", False) or getattr(op, "delay_wgrad_compute", False)
             for op in self.ops
         )
+        self._reads = [_reader(m, n) for m, n in self._slots]
         self._versions = versions
 
     def _params(self) -> list[torch.Tensor]:
@@ -205,7 +237,7 @@ class OperationFuser:
         return [getattr(m, n) for m, n in self._slots]
 
     def _key(self, x: torch.Tensor, extra_inputs: Sequence, params: Sequence[torch.Tensor]) -> tuple:
-        rs = self._rule_set()
+        rs = self.rules if self.rules is not None else global_rules()
         return (
             torch.is_grad_enabled(),
             x.dtype,
@@ -310,6 +342,8 @@ class OperationFuser:
         )
         if self._routing is not None:
             _RoutedSteps(plan, ops, self._routing).install()
+        else:
+            plan.compile_steps(ops)
         return plan
 
     def _split_extra(self, extra_inputs: Sequence) -> list[tuple]:
@@ -321,7 +355,7 @@ class OperationFuser:
 
     # -- running -----------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, *extra_inputs):
-        if not isinstance(x, torch.Tensor):
+        if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
             raise TypeError(f"fuser input must be a tensor, got {type(x).__name__}")
         if len(extra_inputs) != self.num_extra_inputs:
             names = [type(op).__name__ for op, n in zip(self.ops, self._num_extra_inputs) if n]
@@ -333,25 +367,26 @@ class OperationFuser:
             self._refresh(versions)
         if self._parametrized:  # one evaluation of each parametrization per call, with grad
             with parametrize.cached():
-                return self._run(x, extra_inputs)
-        return self._run(x, extra_inputs)
+                return self._run(x, extra_inputs, [getattr(m, n) for m, n in self._slots])
+        try:
+            params = [d[n] for d, n in self._reads]  # (a dict read per parameter: see _refresh)
+        except KeyError:  # a parameter was removed from its module's dict without an assignment
+            params = [getattr(m, n) for m, n in self._slots]
+        return self._run(x, extra_inputs, params)
 
-    def _run(self, x: torch.Tensor, extra_inputs: tuple):
-        params = [getattr(m, n) for m, n in self._slots]  # __call__ refreshed the slots
+    def _run(self, x: torch.Tensor, extra_inputs: tuple, params: list):
         key = self._key(x, extra_inputs, params)
         plan = self._plans.get(key) or self._new_plan(key, x, extra_inputs, params)
         self.last_key = key
         if self._wgrad_flagged and plan.requires_grad:
             check_flagged_ops(self.ops, params, plan.param_counts)
-        args = [*extra_inputs, *params]
-        seen = {id(x)}
-        for i, t in enumerate(args):  # the same tensor twice (x as residual, tied weights):
-            if isinstance(t, torch.Tensor):
-                if id(t) in seen:
-                    args[i] = t.view_as(t)  # give autograd.Function distinct inputs (an alias)
-                else:
-                    seen.add(id(t))
-        if _eager_apply_ok():  # autograd.Function.apply's Python preamble, minus what eager does not need
+        args = [*extra_inputs, *params] if extra_inputs else params
+        if args:
+            ids = {id(t) for t in args}
+            if len(ids) != len(args) or id(x) in ids:
+                args = _distinct(x, args)
+        if not _is_compiling() and not _transforms_active():
+            # autograd.Function.apply's Python preamble, minus what eager calls do not need
             outs = _RAW_APPLY(_unwrap(x), self, plan, len(extra_inputs), *[
                 _unwrap(a) if isinstance(a, torch.Tensor) else a for a in args])
         else:
@@ -359,6 +394,47 @@ class OperationFuser:
         if self.num_extra_outputs == 0:
             return outs[0]
         return tuple(outs)
+
+
+def _distinct(x: torch.Tensor, args: list) -> list:
+    """``args`` with every tensor that is ``x`` or an earlier argument replaced by an alias
+    (``view_as``): the same tensor twice (x as residual, tied weights) must reach the autograd
+    function as distinct inputs."""
+    args, seen = list(args), {id(x)}
+    for i, t in enumerate(args):
+        if isinstance(t, torch.Tensor):
+            if id(t) in seen:
+                args[i] = t.view_as(t)
+            else:
+                seen.add(id(t))
+    return args
+
+
+def _reader(module: torch.nn.Module, name: str) -> tuple:
+    """``(dict, name)`` such that ``dict[name]`` is ``getattr(module, name)`` while the module's
+    state is what it is now: its ``_parameters`` (the entry ``functional_call`` swaps), its
+    ``_buffers`` or its ``__dict__``; for anything else (a property) a one-entry dict holding the
+    value would go stale, so such a slot keeps ``getattr`` through :class:`_GetAttr`."""
+    d = module.__dict__
+    if name not in d:
+        for store in (d.get("_parameters"), d.get("_buffers")):
+            if store is not None and name in store:
+                return store, name
+    elif not hasattr(type(module), name):
+        return d, name
+    return _GetAttr(module), name
+
+
+class _GetAttr:
+    """``_GetAttr(m)[name]`` is ``getattr(m, name)`` (a slot with no dict to read)."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module) -> None:
+        self.module = module
+
+    def __getitem__(self, name: str):
+        return getattr(self.module, name)
 
 
 def _input_quantizer(op: BasicOperation, weight_grad: bool):
@@ -402,21 +478,19 @@ class _BackwardContext:
 class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(func_ctx, x, fuser: OperationFuser, plan: Plan, num_extra: int, *args):
-        n = len(fuser.ops)
         extra_inputs = fuser._split_extra(args[:num_extra]) if num_extra else fuser._no_extras
         ctxs = [OperationContext(rg, irg, wrg) for rg, irg, wrg in plan.ctx_flags]
         has_extra_out = fuser.num_extra_outputs != 0
-        extra_outputs: list[tuple] = [()] * n
+        extra_outputs: list[tuple] = [()] * len(ctxs)
         y = x
-        for op, idx, kwargs in plan.forward_steps:
-            if type(y) is Float8Tensor and not getattr(fuser.ops[idx[0]], "accepts_fp8", False):
+        for op, idx, kwargs, direct, plain_in in plan.forward_program:
+            if plain_in and type(y) is Float8Tensor:
                 y = y.dequantize()  # an op that reads plain tensors
-            if len(idx) == 1:
-                i = idx[0]
-                y, ex = op.fuser_forward([ctxs[i]], y, extra_inputs=[extra_inputs[i]], basic_op_kwargs=kwargs)
-            else:
-                y, ex = op.fuser_forward([ctxs[i] for i in idx], y, extra_inputs=[extra_inputs[i] for i in idx],
-                                         basic_op_kwargs=kwargs)
+            if direct:  # one basic op, its own op_forward (idx: its index)
+                y = op.op_forward(ctxs[idx], y, **kwargs)
+                continue
+            y, ex = op.fuser_forward([ctxs[i] for i in idx], y, extra_inputs=[extra_inputs[i] for i in idx],
+                                     basic_op_kwargs=kwargs)
             if has_extra_out:
                 for i, e in zip(idx, ex):
                     extra_outputs[i] = tuple(e)
@@ -425,15 +499,13 @@ class _FuserFunction(torch.autograd.Function):
             # in-place modification checks all see them); ctxs get them back in backward.
             counts, flat = [], []
             for c in ctxs:
-                counts.append(len(c._saved))
-                flat.extend(c._saved)
-                c._saved = ()
+                saved = c._saved
+                counts.append(len(saved))
+                if saved:
+                    flat.extend(saved)
+                    c._saved = ()
             func_ctx.save_for_backward(*flat)
-            func_ctx.saved_counts = counts
-        func_ctx.fuser = fuser
-        func_ctx.plan = plan
-        func_ctx.op_ctxs = ctxs
-        func_ctx.x_requires_grad = x.requires_grad
+            func_ctx.state = (fuser, plan, ctxs, counts, x.requires_grad)
         # An output that is an input (or another output) gets its own alias so autograd can
         # attach a distinct grad_fn to it.
         if not has_extra_out:  # the common case: one output
@@ -459,9 +531,7 @@ class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(func_ctx, dy, *grad_extra_outputs_flat):
-        fuser: OperationFuser = func_ctx.fuser
-        plan: Plan = func_ctx.plan
-        ctxs = func_ctx.op_ctxs
+        fuser, plan, fwd_ctxs, counts, x_requires_grad = func_ctx.state
         ops = fuser.ops
         if fuser.num_extra_outputs:
             grad_extra_out: list[tuple] = []
@@ -473,16 +543,22 @@ class _FuserFunction(torch.autograd.Function):
             grad_extra_out = fuser._no_extras
         # Views of the forward ctxs that carry the saved tensors: nothing created in forward is
         # mutated, so torch.compile can trace the backward too.
-        saved, k, views = func_ctx.saved_tensors, 0, []
-        for c, m in zip(ctxs, func_ctx.saved_counts):
-            views.append(_BackwardContext(c, tuple(saved[k : k + m])))
+        saved, k, ctxs = func_ctx.saved_tensors, 0, []
+        for c, m in zip(fwd_ctxs, counts):
+            ctxs.append(_BackwardContext(c, saved[k : k + m] if m else ()))
             k += m
-        ctxs = views
-        param_grads: list[tuple] = [(None,) * c for c in plan.param_counts]
+        param_grads: list[tuple] = list(plan.no_param_grads)
         grad_extra_in: list[tuple] = list(fuser._none_extra_grads)
-        for op, idx, gq in plan.backward_steps:
-            if type(dy) is Float8Tensor and not getattr(ops[idx[-1]], "accepts_fp8", False):
+        for op, idx, gq, direct, plain_in in plan.backward_program:
+            if plain_in and type(dy) is Float8Tensor:
                 dy = dy.dequantize()
+            if direct:  # one basic op, its own op_backward (idx: its index)
+                c = ctxs[idx]
+                dy, pg = op.op_backward(c, dy)
+                _check_param_grads(op, ops[idx], pg, param_grads[idx])
+                param_grads[idx] = pg
+                c.release()
+                continue
             if gq is None:
                 dy, pg, ge = op.fuser_backward(
                     [ctxs[i] for i in idx], dy, grad_extra_outputs=[grad_extra_out[i] for i in idx]
@@ -493,24 +569,28 @@ class _FuserFunction(torch.autograd.Function):
                     prev_op_grad_output_quantizer=gq,
                 )
             for j, i in enumerate(idx):
-                pg_i = tuple(pg[j])
-                if len(pg_i) != len(param_grads[i]):
-                    raise RuntimeError(
-                        f"{type(op).__name__}.fuser_backward returned {len(pg_i)} param grads for "
-                        f"{type(ops[i]).__name__}, which has {len(param_grads[i])} parameters"
-                    )
-                param_grads[i] = pg_i
+                _check_param_grads(op, ops[i], pg[j], param_grads[i])
+                param_grads[i] = pg[j]
                 if ge[j] is not None:
-                    grad_extra_in[i] = tuple(ge[j])
+                    grad_extra_in[i] = ge[j]
                 ctxs[i].release()
         if not plan.backward_complete:
             dy = None
         elif type(dy) is Float8Tensor:  # autograd gets plain gradients
             dy = dy.dequantize()
-        dx = dy if func_ctx.x_requires_grad else None
+        dx = dy if x_requires_grad else None
         flat_ge = [t if k else None for k, t in zip(plan.extra_keep, [t for e in grad_extra_in for t in e])]
         flat_pg = [t if k else None for k, t in zip(plan.param_keep, [t for p in param_grads for t in p])]
         return (dx, None, None, None, *flat_ge, *flat_pg)
+
+
+def _check_param_grads(step, op, got, expected: tuple) -> None:
+    """A step's parameter gradients for ``op`` have one entry per parameter of the op."""
+    if len(got) != len(expected):
+        raise RuntimeError(
+            f"{type(step).__name__}.fuser_backward returned {len(got)} param grads for "
+            f"{type(op).__name__}, which has {len(expected)} parameters"
+        )
 
 
 # ``_FuserFunction.apply`` is a Python classmethod that, when no functorch transform is active,
@@ -520,7 +600,3 @@ _RAW_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _FuserFuncti
 _unwrap = torch._C._functorch.unwrap_if_dead
 _transforms_active = torch._C._are_functorch_transforms_active
 _is_compiling = torch.compiler.is_compiling
-
-
-def _eager_apply_ok() -> bool:
-    return not _is_compiling() and not _transforms_active()

@@ -184,10 +184,14 @@ class Sequential(torch.nn.Module):
 
     # -- stages ----------------------------------------------------------------------------
     def _hook_signature(self):
-        """Which modules have hooks now (global module hooks: all of them)."""
-        if _global_hooks():
+        """Which modules have hooks now (global module hooks: all of them). (Inlined: this runs
+        on every call.)"""
+        g = torch.nn.modules.module
+        if (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
+                or g._global_backward_pre_hooks):
             return True
-        return tuple([_has_hooks(m) for m in self._modules.values()])
+        return tuple([bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+                      for m in self._modules.values()])
 
     def _get_stages(self) -> list:
         """Consecutive fusible modules grouped into fusers: list of (stage, module indices), a
@@ -221,7 +225,9 @@ class Sequential(torch.nn.Module):
         return self._stages
 
     def forward(self, x: torch.Tensor, *extra_inputs):
-        stages = self._get_stages()
+        if self._stages is None or self._hook_signature() != self._hook_sig:
+            self._get_stages()
+        stages = self._stages
         if len(extra_inputs) != self._needed:
             raise TypeError(f"Sequential expected {self._needed} extra input(s) after x, got {len(extra_inputs)}")
         if self._only is not None:

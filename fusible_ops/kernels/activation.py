@@ -431,8 +431,9 @@ def bias_act_fwd(
     y is multiplied by ``1 / (1 - dropout_p)`` where kept and by 0 where dropped. NaN/Inf in z
     give what torch's activation (and dropout) give, forward and backward.
     """
-    check_p_seed(dropout_p, seed)  # (shapes and kind: checked once per shape by the launcher)
-    seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
+    if dropout_p != 0.0 or seed is not None:  # (shapes and kind: checked once per shape by the launcher)
+        check_p_seed(dropout_p, seed)
+        seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
     if use_triton(x, bias):
         return _bias_act_fwd_op(x, bias, kind, float(dropout_p), seed)
     return bias_act_fwd_ref(x, bias, kind, dropout_p=dropout_p, seed=seed)
@@ -471,9 +472,10 @@ def bias_act_bwd(
     ``need_dbias`` is False or bias is None. The Triton path computes dz and the bias
     column sums in one pass (deterministic, no atomics).
     """
-    check_p_seed(dropout_p, seed)
+    if dropout_p != 0.0 or seed is not None:
+        check_p_seed(dropout_p, seed)
+        seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
     need_dbias = bool(need_dbias) and bias is not None
-    seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
     if use_triton(dy, x, bias):
         dz, dbias = _bias_act_bwd_op(dy, x, bias, kind, need_dbias, float(dropout_p), seed)
         return dz, (dbias if need_dbias else None)

@@ -49,11 +49,20 @@ def _base(kind: str) -> str:
     return GLU_BASE[kind] if kind in GATED else kind
 
 
+# kind -> (ACT constexpr of the kernels, gated, base activation): one dict read per call
+_KINDS: dict[str, tuple[int, bool, str]] = {k: (ACT_IDS[_base(k)], k in GATED, _base(k)) for k in ACTIVATIONS}
+
+
+def _kind(kind: str) -> tuple[int, bool, str]:
+    info = _KINDS.get(kind)
+    if info is None:
+        raise ValueError(f"unknown activation kind {kind!r}; expected one of {ACTIVATIONS}")
+    return info
+
+
 def check_kind(kind: str) -> tuple[int, bool]:
     """(``ACT`` constexpr of the kernels, gated) for an activation kind; ValueError if unknown."""
-    if kind not in ACTIVATIONS:
-        raise ValueError(f"unknown activation kind {kind!r}; expected one of {ACTIVATIONS}")
-    return ACT_IDS[_base(kind)], kind in GATED
+    return _kind(kind)[:2]
 
 
 def out_cols(x: torch.Tensor, gated: bool) -> int:
@@ -64,15 +73,18 @@ def out_cols(x: torch.Tensor, gated: bool) -> int:
     return n // 2 if gated else n
 
 
-def check_bias_act(x, bias, kind, dropout_p, seed) -> None:
-    """Argument checks of ``bias_act_fwd`` / ``bias_act_bwd`` (both paths)."""
-    _, gated = check_kind(kind)
+def check_bias_act(x, bias, kind, dropout_p, seed) -> tuple[int, bool, str]:
+    """Argument checks of ``bias_act_fwd`` / ``bias_act_bwd`` (both paths); returns
+    ``(ACT constexpr, gated, base activation)`` of ``kind``."""
+    info = _kind(kind)
     if x.dim() < 1:
         raise ValueError("bias_act: x must have at least one dimension")
-    out_cols(x, gated)
+    out_cols(x, info[1])
     if bias is not None and tuple(bias.shape) != (x.shape[-1],):
         raise ValueError(f"bias_act: bias shape {tuple(bias.shape)} != ({x.shape[-1]},)")
-    check_p_seed(dropout_p, seed)
+    if dropout_p != 0.0 or seed is not None:
+        check_p_seed(dropout_p, seed)
+    return info
 
 
 def check_scales(x, scales) -> None:
@@ -113,19 +125,13 @@ def act_backward_ref(up: torch.Tensor, z: torch.Tensor, name: str) -> torch.Tens
     raise ValueError(f"unknown activation {name!r}; expected one of {sorted(ACT_IDS)}")
 
 
-def _halves(z):
-    return z.chunk(2, -1)  # (even last dim: checked)
-
-
 def _z_ref(x, bias, cd):
     z = cast_to(x, cd)
     return z + cast_to(bias, cd) if bias is not None else z
 
 
-def _drop_factor_ref(shape, dropout_p, seed, device, cd) -> Optional[torch.Tensor]:
-    """``keep / (1 - p)`` (0 where dropped) in ``cd``, or None without dropout."""
-    if dropout_p <= 0.0:
-        return None
+def _drop_factor_ref(shape, dropout_p, seed, device, cd) -> torch.Tensor:
+    """``keep / (1 - p)`` (0 where dropped) in ``cd`` (dropout_p > 0)."""
     keep = dropout_keep_mask(shape, dropout_p, seed, device)
     return torch.where(keep, torch.tensor(keep_scale(dropout_p), dtype=cd, device=device),
                        torch.zeros((), dtype=cd, device=device))
@@ -137,18 +143,16 @@ def bias_act_fwd_ref(
 ) -> torch.Tensor:
     """Pure-torch :func:`~fusible_ops.kernels.activation.bias_act_fwd` (fp32 math, fp64 for fp64
     x; same dropout mask, computed from the seed tensor with tensor ops only)."""
-    check_bias_act(x, bias, kind, dropout_p, seed)
-    base, gated = _base(kind), kind in GATED
+    _, gated, base = check_bias_act(x, bias, kind, dropout_p, seed)
     cd = compute_dtype(x.dtype)
     z = _z_ref(x, bias, cd)
     if gated:
-        a, b = _halves(z)
+        a, b = z.chunk(2, -1)
         y = act_ref(a, base) * b
     else:
         y = act_ref(z, base)
-    m = _drop_factor_ref(y.shape, dropout_p, seed, x.device, cd)
-    if m is not None:
-        y = y * m
+    if dropout_p > 0.0:
+        y = y * _drop_factor_ref(y.shape, dropout_p, seed, x.device, cd)
     return cast_to(y, x.dtype)
 
 
@@ -158,16 +162,14 @@ def bias_act_bwd_ref(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Pure-torch :func:`~fusible_ops.kernels.activation.bias_act_bwd` (fp32 math, fp64 for fp64
     x; same dropout mask)."""
-    check_bias_act(x, bias, kind, dropout_p, seed)
-    base, gated = _base(kind), kind in GATED
+    _, gated, base = check_bias_act(x, bias, kind, dropout_p, seed)
     cd = compute_dtype(x.dtype)
     z = _z_ref(x, bias, cd)
     g = cast_to(dy, cd)
-    m = _drop_factor_ref(g.shape, dropout_p, seed, x.device, cd)
-    if m is not None:
-        g = g * m
+    if dropout_p > 0.0:
+        g = g * _drop_factor_ref(g.shape, dropout_p, seed, x.device, cd)
     if gated:
-        a, b = _halves(z)
+        a, b = z.chunk(2, -1)  # (even last dim: checked)
         dz = torch.cat([act_backward_ref(g * b, a, base), g * act_ref(a, base)], dim=-1)
     else:
         dz = act_backward_ref(g, z, base)
@@ -182,7 +184,7 @@ def scaled_swiglu_fwd_ref(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     """Pure-torch :func:`~fusible_ops.kernels.activation.scaled_swiglu_fwd` (fp32, fp64 for fp64)."""
     check_scales(x, scales)
     cd = compute_dtype(x.dtype)
-    a, b = _halves(x.to(cd))
+    a, b = x.to(cd).chunk(2, -1)
     return (torch.nn.functional.silu(a) * b * scales.to(cd)[..., None]).to(x.dtype)
 
 
@@ -192,7 +194,7 @@ def scaled_swiglu_bwd_ref(
     """Pure-torch :func:`~fusible_ops.kernels.activation.scaled_swiglu_bwd` (fp32, fp64 for fp64)."""
     check_scales(x, scales)
     cd = compute_dtype(x.dtype)
-    a, b = _halves(x.to(cd))
+    a, b = x.to(cd).chunk(2, -1)
     dyc = dy.to(cd)
     act_a, dact_a = act_and_grad_ref(a, "silu", True)
     g = dyc * scales.to(cd)[..., None]
