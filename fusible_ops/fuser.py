@@ -459,8 +459,7 @@ class _BackwardContext:
     (nothing created in forward is mutated, so torch.compile can trace the backward too)."""
 
     def __init__(self, base: OperationContext, saved: tuple) -> None:
-        if not _is_compiling():  # (eager: attribute reads then skip __getattr__; dynamo reads through it)
-            self.__dict__.update(base.__dict__)
+        # (eager backward builds views without this constructor, with the attributes copied)
         self._base = base
         self._saved = saved
 
@@ -544,9 +543,17 @@ class _FuserFunction(torch.autograd.Function):
         # Views of the forward ctxs that carry the saved tensors: nothing created in forward is
         # mutated, so torch.compile can trace the backward too.
         saved, k, ctxs = func_ctx.saved_tensors, 0, []
+        eager = not _is_compiling()
         for c, m in zip(fwd_ctxs, counts):
-            ctxs.append(_BackwardContext(c, saved[k : k + m] if m else ()))
+            mine = saved[k : k + m] if m else ()
             k += m
+            if eager:  # the view's attributes: a copy of the forward ctx's (reads then skip __getattr__)
+                v = _new_object(_BackwardContext)
+                v.__dict__ = d = c.__dict__.copy()
+                d["_base"], d["_saved"] = c, mine
+                ctxs.append(v)
+            else:  # (dynamo traces the constructor; reads go through __getattr__)
+                ctxs.append(_BackwardContext(c, mine))
         param_grads: list[tuple] = list(plan.no_param_grads)
         grad_extra_in: list[tuple] = list(fuser._none_extra_grads)
         for op, idx, gq, direct, plain_in in plan.backward_program:
@@ -600,3 +607,4 @@ _RAW_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _FuserFuncti
 _unwrap = torch._C._functorch.unwrap_if_dead
 _transforms_active = torch._C._are_functorch_transforms_active
 _is_compiling = torch.compiler.is_compiling
+_new_object = object.__new__

@@ -51,7 +51,8 @@ class OperationContext:
     * ``requires_grad``: autograd will run backward through this op.
     * ``input_requires_grad``: a gradient is needed for this op's input (the fuser's input
       requires grad, or an earlier op has trainable parameters or extra inputs needing grad).
-    * ``weight_requires_grad``: this op has at least one parameter that requires grad.
+    * ``weight_requires_grad``: autograd will run backward through this op and at least one of
+      its parameters requires grad.
 
     Ops may set any other attribute they need in backward.
     """

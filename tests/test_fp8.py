@@ -438,7 +438,7 @@ def test_norm_writes_the_next_linears_fp8_input(recipe, norm, residual, monkeypa
         if not hand_off:  # the norm ignores the quantizer: the linear casts
             monkeypatch.setattr(N._Norm, "writes_fp8_output", False)
             orig = N._Norm._run
-            monkeypatch.setattr(N._Norm, "_run", lambda self, x, res, quant: orig(self, x, res, None))
+            monkeypatch.setattr(N._Norm, "_run", lambda self, x, w, b, res, quant: orig(self, x, w, b, res, None))
         xx = x.clone().requires_grad_()
         for _ in range(2):
             with fo.autocast(recipe=recipe):

@@ -11,28 +11,33 @@ import math
 
 import torch
 
-from .launch import compute_dtype
+from .launch import cast_to, compute_dtype
+
+
+def _rows2d(t: torch.Tensor, rows: int, n: int) -> torch.Tensor:
+    return t if t.dim() == 2 else t.reshape(rows, n)  # (no reshape call for 2-D rows: host time)
 
 
 def _ref_fwd(x, weight, bias, eps, residual, is_rms):
     ct = compute_dtype(x.dtype)
     n = x.shape[-1]
-    xsum = (x.to(ct) + residual.to(ct)).to(x.dtype) if residual is not None else x
+    xsum = cast_to(cast_to(x, ct) + cast_to(residual, ct), x.dtype) if residual is not None else x
     rows = math.prod(x.shape[:-1])
-    xs = xsum.to(ct).reshape(rows, n)
+    xs = _rows2d(cast_to(xsum, ct), rows, n)
     if is_rms:
         mean = None
         xc = xs
     else:
         mean = xs.mean(-1)
         xc = xs - mean[:, None]
-    rstd = torch.rsqrt((xc * xc).mean(-1) + eps)
-    y = xc * rstd[:, None]
+    rstd = torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps)  # [rows, 1]
+    y = xc * rstd
     if weight is not None:
-        y = y * weight.to(ct)
+        y = y * cast_to(weight, ct)
     if bias is not None:
-        y = y + bias.to(ct)
-    return y.to(x.dtype).reshape(x.shape), mean, rstd, xsum
+        y = y + cast_to(bias, ct)
+    y = cast_to(y, x.dtype)
+    return (y if x.dim() == 2 else y.reshape(x.shape)), mean, rstd.view(rows), xsum
 
 
 def _ref_bwd(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra, is_rms):
@@ -40,20 +45,21 @@ def _ref_bwd(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra
     n = xsum.shape[-1]
     pdtype = weight.dtype if weight is not None else xsum.dtype
     rows = math.prod(xsum.shape[:-1])
-    xs = xsum.to(ct).reshape(rows, n)
-    g0 = dy.to(ct).reshape(rows, n)
-    r = rstd.to(ct)[:, None]
-    xhat = xs * r if is_rms else (xs - mean.to(ct)[:, None]) * r
-    g = g0 * weight.to(ct) if weight is not None else g0
+    xs = _rows2d(cast_to(xsum, ct), rows, n)
+    g0 = _rows2d(cast_to(dy, ct), rows, n)
+    r = cast_to(rstd, ct).reshape(rows, 1)
+    xhat = xs * r if is_rms else (xs - cast_to(mean, ct).reshape(rows, 1)) * r
+    g = g0 * cast_to(weight, ct) if weight is not None else g0
     dx = g - xhat * (g * xhat).mean(-1, keepdim=True)
     if not is_rms:
         dx = dx - g.mean(-1, keepdim=True)
     dx = dx * r
     if dxsum_extra is not None:
-        dx = dx + dxsum_extra.to(ct).reshape(rows, n)
-    dw = (g0 * xhat).sum(0).to(pdtype) if (need_dweight and weight is not None) else None
-    db = g0.sum(0).to(pdtype) if need_dbias else None
-    return dx.to(xsum.dtype).reshape(xsum.shape), dw, db
+        dx = dx + _rows2d(cast_to(dxsum_extra, ct), rows, n)
+    dw = cast_to((g0 * xhat).sum(0), pdtype) if (need_dweight and weight is not None) else None
+    db = cast_to(g0.sum(0), pdtype) if need_dbias else None
+    dx = cast_to(dx, xsum.dtype)
+    return (dx if xsum.dim() == 2 else dx.reshape(xsum.shape)), dw, db
 
 
 def layernorm_fwd_ref(x, weight, bias, eps, residual=None):

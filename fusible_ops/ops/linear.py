@@ -150,13 +150,16 @@ class Bias(BasicOperation):
         check_input(self, x, features=self.size, like=self.bias, shape=shape)
 
     def save_ctx(self, ctx) -> None:
-        """Sets ``ctx.bias_grad`` (the bias's backward saves no tensor)."""
-        ctx.bias_grad = ctx.requires_grad and self.bias.requires_grad
+        """Sets ``ctx.bias_grad`` (the bias's backward saves no tensor): the fuser's
+        ``ctx.weight_requires_grad``, which for this one-parameter op says that autograd runs
+        backward and the bias requires grad."""
+        ctx.bias_grad = ctx.weight_requires_grad
 
     def op_forward(self, ctx, x, **kwargs):
-        self.check_input(x)
+        b = self.bias  # (one attribute read: it goes through the owner when the bias is lent)
+        check_input(self, x, features=self.size, like=b)
         self.save_ctx(ctx)
-        return x + self.bias
+        return x + b
 
     def op_backward(self, ctx, dy):
         db = None

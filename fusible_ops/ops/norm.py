@@ -50,31 +50,31 @@ class _Norm(BasicOperation):
         """Run the (optionally residual-fused) forward and fill ``ctx``. Returns (y, xsum). With
         ``quant`` (the next FP8 linear's :class:`~fusible_ops.quantization.InputQuantizer`) y is
         that linear's FP8 input, written by the norm kernel itself."""
-        y, mean, rstd, xsum = self._run(x, residual, quant)
+        w = self.weight  # (each parameter read once per call: reads go through Module.__getattr__)
+        bias = None if self._IS_RMS else self.bias
+        y, mean, rstd, xsum = self._run(x, w, bias, residual, quant)
         if ctx.requires_grad:
-            ctx.save_for_backward(xsum, self.weight, mean, rstd)
-            ctx.weight_grad = self.weight.requires_grad
-            if not self._IS_RMS:
-                ctx.bias_grad = self.bias.requires_grad
+            ctx.save_for_backward(xsum, w, mean, rstd)
+            ctx.weight_grad = w.requires_grad
+            if bias is not None:
+                ctx.bias_grad = bias.requires_grad
         return y, xsum
 
-    def _run(self, x, residual, quant):
+    def _run(self, x, w, bias, residual, quant):
         """(y, mean or None, rstd, xsum) of the kernels."""
-        rms, bias = self._IS_RMS, (None if self._IS_RMS else self.bias)
-
-        def plain():
-            if rms:
-                y, rstd, xsum = _K.rmsnorm_fwd(x, self.weight, self.eps, residual)
-                return y, None, rstd, xsum
-            return _K.layernorm_fwd(x, self.weight, bias, self.eps, residual)
-
+        rms = self._IS_RMS
         if quant is None:
-            return plain()
+            if rms:
+                y, rstd, xsum = _K.rmsnorm_fwd(x, w, self.eps, residual)
+                return y, None, rstd, xsum
+            return _K.layernorm_fwd(x, w, bias, self.eps, residual)
         stats = []
 
         def run(amax=None, **fp8):
-            out = plain() if amax is None else _K.norm_fwd_fp8(x, self.weight, bias, self.eps, residual, is_rms=rms,
-                                                                 amax=amax, **fp8)
+            if amax is None:
+                out = self._run(x, w, bias, residual, None)
+            else:
+                out = _K.norm_fwd_fp8(x, w, bias, self.eps, residual, is_rms=rms, amax=amax, **fp8)
             stats.append(out)
             return out[0]
 
