@@ -14,7 +14,8 @@ Math (fp32 inside the kernels for every input dtype; results cast back):
   LayerNorm ``dx = rstd * (g - xhat * mean(g * xhat) - mean(g))``,
   RMSNorm ``dx = rstd * (g - xhat * mean(g * xhat))``;
   ``dweight = sum_rows(dy * xhat)``, ``dbias = sum_rows(dy)``. Row partials of ``dweight``/``dbias``
-  go to a ``[num_programs, N]`` fp32 buffer that torch then sums: deterministic, no atomics.
+  go to a ``[num_programs, N]`` fp32 buffer that one more kernel sums in a fixed order (and casts to
+  the parameter's dtype): deterministic, no atomics.
 
 Configs (explicit, in :mod:`.norm_config`; register use checked with ptxas for
 sm_90): rows of up to ``_FWD_MAX_FUSED_N`` / ``_BWD_MAX_FUSED_N`` columns are held in registers
@@ -38,7 +39,7 @@ from . import HAS_TRITON, interpreter_enabled, use_triton
 from .fp8_cast import FP8_MAX_OF, fp8_epilogue_ref
 from . import norm_config as cfg
 from .launch import (TRITON_DTYPES, DirectKernel, as_rows, cast_to, cdiv, contiguous_or, geometry_cache, kernel_op,
-                     num_sms, remember)
+                     next_pow2, num_sms, remember)
 from .norm_ref import (  # noqa: F401  (re-exported: one module to import)
     layernorm_bwd_ref,
     layernorm_fwd_ref,
@@ -54,7 +55,7 @@ if HAS_TRITON:
     from .fp8_cast import fp8_epilogue
 
     from .norm_jit import (acc_partials, affine, load_xhat, load_xsum, row_ptrs, row_sums, store_dx, store_partials,
-                           store_y)
+                           store_y, sum_partials_kernel)
 
     # ---- kernels
 
@@ -321,7 +322,7 @@ def _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, has_w, has_dxe):
     n = xsum.shape[-1]
     rows = math.prod(xsum.shape[:-1])
     if rows == 0 or n == 0:
-        return remember(_GEOMETRY, key, (rows, n, None, None, 0, False, False))
+        return remember(_GEOMETRY, key, (rows, n, None, None, 0, False, False, None))
     sliced, block_m, block_n, warps = cfg._bwd_config(n, rows)
     halves = not sliced and n >= cfg._BWD_HALVES_MIN_N and not is_rms
     sms = num_sms(xsum.device)
@@ -338,7 +339,9 @@ def _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, has_w, has_dxe):
     meta = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DXE=has_dxe, NEED_DW=need_dweight, NEED_DB=need_dbias and not db_colsum,
                 VARIANT="sliced" if sliced else "halves" if halves else "fused",
                 BLOCK_M=block_m, BLOCK_N=block_n, RELOAD=n >= cfg._BWD_RELOAD_MIN_N, num_warps=warps)
-    return remember(_GEOMETRY, key, (rows, n, grid, meta, nprog, db_colsum, meta["NEED_DB"]))
+    sum_bn = min(256, next_pow2(n))  # the partials' reduction: 8 x 256 fp32 tiles
+    sum_meta = ((cdiv(n, sum_bn),), dict(BLOCK_P=8, BLOCK_N=sum_bn, num_warps=4))
+    return remember(_GEOMETRY, key, (rows, n, grid, meta, nprog, db_colsum, meta["NEED_DB"], sum_meta))
 
 
 def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra, is_rms):
@@ -351,7 +354,7 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
            None if dxsum_extra is None else (dxsum_extra.stride(), dxsum_extra.dtype), is_rms, need_dweight, need_dbias)
     geo = _GEOMETRY.get(key) or _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, weight is not None,
                                               dxsum_extra is not None)
-    rows, n, grid, meta, nprog, db_colsum, need_db_kernel = geo
+    rows, n, grid, meta, nprog, db_colsum, need_db_kernel, sum_meta = geo
     dx = torch.empty_like(xsum, memory_format=torch.contiguous_format)
 
     def empty():  # placeholder for an output not asked for (a fresh one each: returns may not alias)
@@ -371,11 +374,11 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
     mean = rstd if is_rms else contiguous_or(mean, mean)
     _BWD(grid, key, (dy2, xs2, contiguous_or(weight, xs2), mean, rstd, dxe2, dx2, dw_part, db_part, rows, n,
                      dy2.stride(0), xs2.stride(0), dxe2.stride(0), dx2.stride(0)), meta)
-    dw = cast_to(dw_part.sum(0), pdtype) if need_dweight else empty()
+    dw = _sum_partials(dw_part, pdtype, sum_meta) if need_dweight else empty()
     if db_colsum:  # fp32 accumulation, deterministic (torch reductions use no atomics)
         db = cast_to(dy2.sum(0, dtype=torch.float32), pdtype)
     elif need_dbias:
-        db = cast_to(db_part.sum(0), pdtype)
+        db = _sum_partials(db_part, pdtype, sum_meta)
     else:
         db = None if is_rms else empty()  # (RMSNorm's callers drop this slot)
     return dx, dw, db
@@ -388,6 +391,17 @@ def _meta_of(t: Optional[torch.Tensor]):
 if HAS_TRITON:
     _FWD = DirectKernel(_norm_fwd_kernel)
     _BWD = DirectKernel(_norm_bwd_kernel)
+    _SUM = DirectKernel(sum_partials_kernel)
+
+
+def _sum_partials(part: torch.Tensor, dtype: torch.dtype, sum_meta: tuple) -> torch.Tensor:
+    """``part.sum(0)`` (fp32 [P, N] partials) in ``dtype``: one launch (``sum_meta``: the
+    geometry's (grid, meta))."""
+    p, n = part.shape
+    out = torch.empty(n, dtype=dtype, device=part.device)
+    grid, meta = sum_meta
+    _SUM(grid, ("sum", p, n, dtype, part.device), (part, out, p, n), meta)
+    return out
 
 
 if HAS_TRITON:
