@@ -42,6 +42,7 @@ from fusible_ops.kernels.activation_ref import (  # noqa: F401  (re-exported: on
 )
 from fusible_ops.kernels.dropout import check_p_seed, keep_scale, seed_tensor
 from fusible_ops.kernels.fp8_cast import FP8_MAX_OF, fp8_epilogue_ref
+from fusible_ops.kernels.partials import sum_partials
 from fusible_ops.kernels.launch import (MIN_BLOCK_C, DirectKernel, as_rows, cdiv, contiguous_or, elementwise_config,
                                         geometry_cache, kernel_op, needs_int64, next_pow2, num_sms, remember)
 
@@ -345,9 +346,9 @@ def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout
                      amax if amax is not None else x2), meta)
     dbias = dscales = None
     if need_dbias:
-        dbias = dbp[0] if one_prog else dbp.sum(0).to(bias.dtype)
+        dbias = dbp[0] if one_prog else sum_partials(dbp, bias.dtype)
     if need_dscales:
-        dscales = (dsp[0] if one_block else dsp.sum(0).to(scales.dtype)).reshape(scales.shape)
+        dscales = (dsp[0] if one_block else sum_partials(dsp, scales.dtype)).reshape(scales.shape)
     return dx, dbias, dscales
 
 

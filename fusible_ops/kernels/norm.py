@@ -39,7 +39,8 @@ from . import HAS_TRITON, interpreter_enabled, use_triton
 from .fp8_cast import FP8_MAX_OF, fp8_epilogue_ref
 from . import norm_config as cfg
 from .launch import (TRITON_DTYPES, DirectKernel, as_rows, cast_to, cdiv, contiguous_or, geometry_cache, kernel_op,
-                     next_pow2, num_sms, remember)
+                     num_sms, remember)
+from .partials import sum_partials
 from .norm_ref import (  # noqa: F401  (re-exported: one module to import)
     layernorm_bwd_ref,
     layernorm_fwd_ref,
@@ -55,7 +56,7 @@ if HAS_TRITON:
     from .fp8_cast import fp8_epilogue
 
     from .norm_jit import (acc_partials, affine, load_xhat, load_xsum, row_ptrs, row_sums, store_dx, store_partials,
-                           store_y, sum_partials_kernel)
+                           store_y)
 
     # ---- kernels
 
@@ -322,7 +323,7 @@ def _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, has_w, has_dxe):
     n = xsum.shape[-1]
     rows = math.prod(xsum.shape[:-1])
     if rows == 0 or n == 0:
-        return remember(_GEOMETRY, key, (rows, n, None, None, 0, False, False, None))
+        return remember(_GEOMETRY, key, (rows, n, None, None, 0, False, False))
     sliced, block_m, block_n, warps = cfg._bwd_config(n, rows)
     halves = not sliced and n >= cfg._BWD_HALVES_MIN_N and not is_rms
     sms = num_sms(xsum.device)
@@ -339,9 +340,7 @@ def _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, has_w, has_dxe):
     meta = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DXE=has_dxe, NEED_DW=need_dweight, NEED_DB=need_dbias and not db_colsum,
                 VARIANT="sliced" if sliced else "halves" if halves else "fused",
                 BLOCK_M=block_m, BLOCK_N=block_n, RELOAD=n >= cfg._BWD_RELOAD_MIN_N, num_warps=warps)
-    sum_bn = min(256, next_pow2(n))  # the partials' reduction: 8 x 256 fp32 tiles
-    sum_meta = ((cdiv(n, sum_bn),), dict(BLOCK_P=8, BLOCK_N=sum_bn, num_warps=4))
-    return remember(_GEOMETRY, key, (rows, n, grid, meta, nprog, db_colsum, meta["NEED_DB"], sum_meta))
+    return remember(_GEOMETRY, key, (rows, n, grid, meta, nprog, db_colsum, meta["NEED_DB"]))
 
 
 def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra, is_rms):
@@ -354,7 +353,7 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
            None if dxsum_extra is None else (dxsum_extra.stride(), dxsum_extra.dtype), is_rms, need_dweight, need_dbias)
     geo = _GEOMETRY.get(key) or _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, weight is not None,
                                               dxsum_extra is not None)
-    rows, n, grid, meta, nprog, db_colsum, need_db_kernel, sum_meta = geo
+    rows, n, grid, meta, nprog, db_colsum, need_db_kernel = geo
     dx = torch.empty_like(xsum, memory_format=torch.contiguous_format)
 
     def empty():  # placeholder for an output not asked for (a fresh one each: returns may not alias)
@@ -374,11 +373,11 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
     mean = rstd if is_rms else contiguous_or(mean, mean)
     _BWD(grid, key, (dy2, xs2, contiguous_or(weight, xs2), mean, rstd, dxe2, dx2, dw_part, db_part, rows, n,
                      dy2.stride(0), xs2.stride(0), dxe2.stride(0), dx2.stride(0)), meta)
-    dw = _sum_partials(dw_part, pdtype, sum_meta) if need_dweight else empty()
+    dw = sum_partials(dw_part, pdtype) if need_dweight else empty()
     if db_colsum:  # fp32 accumulation, deterministic (torch reductions use no atomics)
         db = cast_to(dy2.sum(0, dtype=torch.float32), pdtype)
     elif need_dbias:
-        db = _sum_partials(db_part, pdtype, sum_meta)
+        db = sum_partials(db_part, pdtype)
     else:
         db = None if is_rms else empty()  # (RMSNorm's callers drop this slot)
     return dx, dw, db
@@ -391,17 +390,6 @@ def _meta_of(t: Optional[torch.Tensor]):
 if HAS_TRITON:
     _FWD = DirectKernel(_norm_fwd_kernel)
     _BWD = DirectKernel(_norm_bwd_kernel)
-    _SUM = DirectKernel(sum_partials_kernel)
-
-
-def _sum_partials(part: torch.Tensor, dtype: torch.dtype, sum_meta: tuple) -> torch.Tensor:
-    """``part.sum(0)`` (fp32 [P, N] partials) in ``dtype``: one launch (``sum_meta``: the
-    geometry's (grid, meta))."""
-    p, n = part.shape
-    out = torch.empty(n, dtype=dtype, device=part.device)
-    grid, meta = sum_meta
-    _SUM(grid, ("sum", p, n, dtype, part.device), (part, out, p, n), meta)
-    return out
 
 
 if HAS_TRITON:

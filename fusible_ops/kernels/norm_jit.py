@@ -93,19 +93,3 @@ if HAS_TRITON:
             tl.store(DW_PART + part, tl.sum(dw, axis=0) if SUM_ROWS else dw, mask=mask)
         if NEED_DB:
             tl.store(DB_PART + part, tl.sum(db, axis=0) if SUM_ROWS else db, mask=mask)
-
-    # ---- a kernel of its own (launched by .norm after the backward kernel)
-
-    @triton.jit
-    def sum_partials_kernel(PART, OUT, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-        # OUT[n] = sum over the P rows of the fp32 partials PART[P, N] (contiguous), in a fixed
-        # order (deterministic), rounded once to OUT's dtype: the dweight/dbias reduction in one
-        # launch (torch's sum then a cast would be two). Grid (cdiv(N, BLOCK_N),).
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < N
-        acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-        for p0 in range(0, P, BLOCK_P):
-            rows = p0 + tl.arange(0, BLOCK_P)
-            ptrs = PART + rows.to(tl.int64)[:, None] * N + cols[None, :]
-            acc += tl.load(ptrs, mask=(rows < P)[:, None] & col_mask[None, :], other=0.0)
-        tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=col_mask)
