@@ -1,0 +1,72 @@
+"""Same-process before/after of the host path: an older fusible_ops tree against this one, with
+plain PyTorch, each ``host_overhead`` workload timed in turns (one call of each per round, so
+all three see the same host state; on CUDA the process is pinned to one CPU core).
+
+Across processes the H200 host's speed drifts by up to 1.5x, which hides changes of a few
+percent; in one process it moves all three alike, so ``after / before`` is steady.
+
+    git archive <rev> fusible_ops | tar -x -C /tmp/before     # the older tree
+    PYTHONPATH=. python3 scripts/host_ab_bench.py /tmp/before [--device cpu] [--rounds 3]
+
+The older package is imported under the name ``fusible_ops_before`` (a renamed copy of it,
+custom-op namespace included, is made in a temporary directory).
+"""
+import argparse
+import importlib
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+import fusible_ops.bench.host as now_host
+
+
+def _renamed_copy(tree: str) -> str:
+    """A copy of ``tree``/fusible_ops as ``fusible_ops_before`` (every ``fusible_ops`` name in its
+    sources renamed, so its custom ops register under their own namespace); returns the copy's root."""
+    root = tempfile.mkdtemp(prefix="fo_before_")
+    dst = os.path.join(root, "fusible_ops_before")
+    shutil.copytree(os.path.join(tree, "fusible_ops"), dst, ignore=shutil.ignore_patterns("__pycache__"))
+    for dirpath, _, files in os.walk(dst):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                with open(path) as fh:
+                    text = fh.read()
+                with open(path, "w") as fh:
+                    fh.write(text.replace("fusible_ops", "fusible_ops_before"))
+    return root
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("before", help="a directory holding the older tree's fusible_ops/")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rep", type=int, default=300)
+    args = ap.parse_args()
+    sys.path.insert(0, _renamed_copy(args.before))
+    before_host = importlib.import_module("fusible_ops_before.bench.host")
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+    dtype, small = (torch.bfloat16, False) if dev.type == "cuda" else (torch.float32, True)
+    torch.manual_seed(0)
+    before = list(before_host._workloads(dev, dtype, small))
+    torch.manual_seed(0)
+    after = list(now_host._workloads(dev, dtype, small))
+    print(f"host us per fwd+bwd, median [p20, p80], {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'}")
+    for (name, _, b_mod, b_args, _, _, dy), (_, _, a_mod, a_args, peer, p_args, _) in zip(before, after):
+        fns = [lambda: b_mod(*b_args).backward(dy), lambda: a_mod(*a_args).backward(dy),
+               lambda: peer(*p_args).backward(dy)]
+        for _ in range(args.rounds):
+            b, a, p = now_host.host_times_interleaved(fns, dev, 20, args.rep)
+            print(f"{name:18s} before {b[0]:6.0f} [{b[1]:.0f}, {b[2]:.0f}]  after {a[0]:6.0f} [{a[1]:.0f}, {a[2]:.0f}]  "
+                  f"plain {p[0]:6.0f} [{p[1]:.0f}, {p[2]:.0f}]  after/before {a[0] / b[0]:.3f}  "
+                  f"before/plain {b[0] / p[0]:.2f}x  after/plain {a[0] / p[0]:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
