@@ -237,11 +237,16 @@ class DirectKernel:
                 return self._first(grid, key, args, meta, aligned)
         ck = self.kernel[grid](*args, **meta)
         if DIRECT and aligned and ck is not None:
-            remember(self._bins, key, (self._launcher(ck, args, meta), dev,
+            remember(self._bins, key, (self._launcher(ck, args, meta, dev), dev,
                                        self._spec(args, meta, dev) if CHECK_DIRECT else None))
 
-    def _launcher(self, ck, args, meta):
-        """``go(grid, stream, args)``: the compiled kernel's launch with the constexprs appended."""
+    def _launcher(self, ck, args, meta, dev: int):
+        """``go(grid, stream, args)``: the compiled kernel's launch with the constexprs appended.
+
+        A binary that needs global scratch memory (TMA descriptors made on the device) gets a fresh
+        buffer per launch from torch's caching allocator, sized as Triton sizes it (grid x CTAs x
+        per-CTA bytes): what Triton's own launch path does through the allocator
+        :func:`~fusible_ops.kernels.persistent.tma_ok` installs, without its Python wrapper."""
         tail = []
         for p in self.kernel.params[len(args):]:
             if not p.is_constexpr:
@@ -251,14 +256,24 @@ class DirectKernel:
         tail = tuple(tail)
         run, fn, md = ck.run, ck.function, ck.packed_metadata
         raw = getattr(run, "launch", None)
+        scratch = getattr(run, "global_scratch_size", 0)
+        scratch_ok = not scratch or (getattr(run, "num_ctas", None) and getattr(run, "global_scratch_align", 1 << 30) <= 256
+                                     and dev >= 0)
         if (raw is not None and not hasattr(run, "arg_annotations") and not getattr(run, "gsan_enabled", False)
-                and not run.global_scratch_size and not run.profile_scratch_size):
-            # Triton 3.6's launcher object, nothing to allocate: its C launch directly
+                and scratch_ok and not run.profile_scratch_size):
+            # Triton 3.6's launcher object: its C launch directly
             coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+            if scratch:
+                per_program = run.num_ctas * scratch  # bytes (torch's blocks are 512-byte aligned)
 
-            def go(grid, stream, args):
-                raw(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, fn, coop,
-                    pdl, None, None, md, None, None, None, *args, *tail)
+                def go(grid, stream, args):
+                    g1, g2 = grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+                    buf = torch.empty(grid[0] * g1 * g2 * per_program, dtype=torch.int8, device=dev)
+                    raw(grid[0], g1, g2, stream, fn, coop, pdl, buf, None, md, None, None, None, *args, *tail)
+            else:
+                def go(grid, stream, args):
+                    raw(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, fn,
+                        coop, pdl, None, None, md, None, None, None, *args, *tail)
         else:
             def go(grid, stream, args):
                 run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, fn, md,
