@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import HAS_TRITON
-from .launch import DirectKernel, cdiv, next_pow2
+from .launch import DirectKernel, cdiv, next_pow2, num_sms
 
 if HAS_TRITON:
     import triton
@@ -31,7 +31,8 @@ if HAS_TRITON:
 
     _SUM = DirectKernel(_sum_partials_kernel)
 
-_BLOCK_P = 8
+_TILE = 4096  # fp32 elements per program per step
+_INTERP_PROGS = 4  # "SMs" under Triton's interpreter (tiny tiles there)
 
 
 def sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -41,10 +42,17 @@ def sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     part = part if part.is_contiguous() else part.contiguous()
     out = torch.empty(n, dtype=dtype, device=part.device)
     if n:
-        block_n = min(256, next_pow2(n))
+        block_n, block_p = _tile(n, part.device)
         _SUM((cdiv(n, block_n),), (p, n, part.dtype, dtype, part.device), (part, out, p, n),
-             {"BLOCK_P": _BLOCK_P, "BLOCK_N": block_n, "num_warps": 4})
+             {"BLOCK_P": block_p, "BLOCK_N": block_n, "num_warps": 4})
     return out
+
+
+def _tile(n: int, device) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_P): column blocks for about two programs per SM (32 to 256 columns), each
+    loading 4096-element tiles per step."""
+    block_n = max(32, min(256, next_pow2(cdiv(n, 2 * num_sms(device, _INTERP_PROGS)))))
+    return block_n, _TILE // block_n
 
 
 def sum_partials_ref(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
