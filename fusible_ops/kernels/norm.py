@@ -269,9 +269,12 @@ def _fwd_outputs(x: torch.Tensor, residual: Optional[torch.Tensor], is_rms: bool
     (RMSNorm: mean is rstd itself, a dtype carrier its callers drop); a [0] placeholder for xsum
     (no residual); y None without ``with_y``."""
     rows = math.prod(x.shape[:-1])
-    y, rstd = x.new_empty(x.shape) if with_y else None, x.new_empty(rows, dtype=torch.float32)
+    # (empty_like: a shape argument costs twice the host time of the allocation itself)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format) if with_y else None
+    rstd = x.new_empty(rows, dtype=torch.float32)
     mean = rstd if is_rms else rstd.new_empty(rows)  # (RMSNorm: no mean; its callers drop this slot)
-    return y, mean, rstd, x.new_empty(x.shape if residual is not None else 0)
+    xsum = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x.new_empty(0)
+    return y, mean, rstd, xsum
 
 
 _GEOMETRY = geometry_cache()  # launch geometry per (direction, shapes, strides, dtypes, flags, device)
