@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import HAS_TRITON
-from .launch import DirectKernel, cdiv, next_pow2, num_sms
+from .launch import DirectKernel, cdiv, geometry_cache, next_pow2, num_sms, remember
 
 if HAS_TRITON:
     import triton
@@ -33,6 +33,7 @@ if HAS_TRITON:
 
 _TILE = 4096  # fp32 elements per program per step
 _INTERP_PROGS = 4  # "SMs" under Triton's interpreter (tiny tiles there)
+_TILES = geometry_cache()
 
 
 def sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -50,9 +51,12 @@ def sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _tile(n: int, device) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_P): column blocks for about two programs per SM (32 to 256 columns), each
-    loading 4096-element tiles per step."""
-    block_n = max(32, min(256, next_pow2(cdiv(n, 2 * num_sms(device, _INTERP_PROGS)))))
-    return block_n, _TILE // block_n
+    loading 4096-element tiles per step (cached per (n, device))."""
+    tile = _TILES.get((n, device))
+    if tile is None:
+        block_n = max(32, min(256, next_pow2(cdiv(n, 2 * num_sms(device, _INTERP_PROGS)))))
+        tile = remember(_TILES, (n, device), (block_n, _TILE // block_n))
+    return tile
 
 
 def sum_partials_ref(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
