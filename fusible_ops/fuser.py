@@ -355,7 +355,7 @@ class OperationFuser:
 
     # -- running -----------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, *extra_inputs):
-        if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
+        if not isinstance(x, torch.Tensor):
             raise TypeError(f"fuser input must be a tensor, got {type(x).__name__}")
         if len(extra_inputs) != self.num_extra_inputs:
             names = [type(op).__name__ for op, n in zip(self.ops, self._num_extra_inputs) if n]
@@ -562,6 +562,7 @@ class _FuserFunction(torch.autograd.Function):
             if direct:  # one basic op, its own op_backward (idx: its index)
                 c = ctxs[idx]
                 dy, pg = op.op_backward(c, dy)
+                pg = tuple(pg)
                 _check_param_grads(op, ops[idx], pg, param_grads[idx])
                 param_grads[idx] = pg
                 c.release()
@@ -576,10 +577,11 @@ class _FuserFunction(torch.autograd.Function):
                     prev_op_grad_output_quantizer=gq,
                 )
             for j, i in enumerate(idx):
-                _check_param_grads(op, ops[i], pg[j], param_grads[i])
-                param_grads[i] = pg[j]
+                pg_i = tuple(pg[j])  # (a tuple is returned as is)
+                _check_param_grads(op, ops[i], pg_i, param_grads[i])
+                param_grads[i] = pg_i
                 if ge[j] is not None:
-                    grad_extra_in[i] = ge[j]
+                    grad_extra_in[i] = tuple(ge[j])
                 ctxs[i].release()
         if not plan.backward_complete:
             dy = None
@@ -595,7 +597,7 @@ def _check_param_grads(step, op, got, expected: tuple) -> None:
     """A step's parameter gradients for ``op`` have one entry per parameter of the op."""
     if len(got) != len(expected):
         raise RuntimeError(
-            f"{type(step).__name__}.fuser_backward returned {len(got)} param grads for "
+            f"{type(step).__name__}'s backward returned {len(got)} param grads for "
             f"{type(op).__name__}, which has {len(expected)} parameters"
         )
 
