@@ -134,6 +134,19 @@ class Sequential(torch.nn.Module):
     def _invalidate(self) -> None:
         self._stages = None
 
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if isinstance(value, torch.nn.Module) or name in self._modules:  # a module set, swapped or removed
+            self.__dict__["_stages"] = None
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        self.__dict__["_stages"] = None
+
+    def add_module(self, name: str, module: Optional[torch.nn.Module]) -> None:
+        super().add_module(name, module)
+        self.__dict__["_stages"] = None  # (``register_module`` goes through here too)
+
     def _reindex(self, modules: list) -> None:
         for k in list(self._modules):
             del self._modules[k]

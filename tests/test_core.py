@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import Phase, given, settings, strategies as st
 
 import fusible_ops as fo
@@ -296,6 +297,24 @@ def test_sequential_container_protocol_and_state_dict():
     torch.testing.assert_close(seq(x), 2 * ref(x))
     del seq[0]
     assert list(seq.state_dict())[0] == "0.weight"
+
+
+@pytest.mark.parametrize("how", ["setattr", "add_module", "register_module", "delattr"])
+def test_sequential_replans_when_a_module_is_swapped_without_setitem(how):
+    """Swapping a module through torch.nn.Module's own API (not ``seq[i] = m``) is seen by the
+    next call: no stale fusion stages, no silently wrong result."""
+    seq = fo.Sequential(fo.GELU(), fo.ReLU())
+    x = torch.randn(4, 8)
+    seq(x)
+    if how == "setattr":
+        setattr(seq, "1", fo.SiLU())
+    elif how == "delattr":
+        delattr(seq, "1")
+    else:
+        getattr(seq, how)("1", fo.SiLU())
+    want = F.gelu(x) if how == "delattr" else F.silu(F.gelu(x))
+    torch.testing.assert_close(seq(x), want)
+    assert [r["op"] for r in seq.fusion_plan()] == (["GELU"] if how == "delattr" else ["GELU", "SiLU"])
 
 
 def test_linear_init_matches_torch_linear():
