@@ -237,7 +237,7 @@ class OperationFuser:
         return [getattr(m, n) for m, n in self._slots]
 
     def _key(self, x: torch.Tensor, extra_inputs: Sequence, params: Sequence[torch.Tensor]) -> tuple:
-        rs = self.rules if self.rules is not None else global_rules()
+        rs = self._rule_set()
         return (
             torch.is_grad_enabled(),
             x.dtype,

@@ -156,7 +156,7 @@ def _apply_now(op, param: torch.Tensor, compute: WgradCompute, *, delayed: bool,
 def deliver_weight_grad(op, param: torch.Tensor, compute: WgradCompute) -> Optional[torch.Tensor]:
     """The single entry point for a weight gradient. Call it in backward only when the weight
     requires grad. Returns what the op returns to autograd for ``param``."""
-    if not (op.accumulate_into_main_grad or op.delay_wgrad_compute or _sched_depth[0]):
+    if not (op.accumulate_into_main_grad or op.delay_wgrad_compute or scheduler_active()):
         return compute(None, False)  # plain .grad mode, immediate: autograd gets the gradient
     if (param.grad_fn is not None or not param.requires_grad) and (
         op.accumulate_into_main_grad or op.delay_wgrad_compute or scheduler_active()

@@ -134,18 +134,19 @@ class Sequential(torch.nn.Module):
     def _invalidate(self) -> None:
         self._stages = None
 
+    # torch.nn.Module's own ways of setting, swapping or removing a module replan too
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)
-        if isinstance(value, torch.nn.Module) or name in self._modules:  # a module set, swapped or removed
-            self.__dict__["_stages"] = None
+        if isinstance(value, torch.nn.Module) or name in self._modules:
+            self._invalidate()
 
     def __delattr__(self, name: str) -> None:
         super().__delattr__(name)
-        self.__dict__["_stages"] = None
+        self._invalidate()
 
     def add_module(self, name: str, module: Optional[torch.nn.Module]) -> None:
-        super().add_module(name, module)
-        self.__dict__["_stages"] = None  # (``register_module`` goes through here too)
+        super().add_module(name, module)  # (``register_module`` goes through here too)
+        self._invalidate()
 
     def _reindex(self, modules: list) -> None:
         for k in list(self._modules):
@@ -179,8 +180,7 @@ class Sequential(torch.nn.Module):
 
     def append(self, module: torch.nn.Module) -> "Sequential":
         self._check_module(module)
-        self.add_module(str(len(self)), module)
-        self._invalidate()
+        self.add_module(str(len(self)), module)  # (replans)
         return self
 
     def extend(self, modules) -> "Sequential":
@@ -197,14 +197,10 @@ class Sequential(torch.nn.Module):
 
     # -- stages ----------------------------------------------------------------------------
     def _hook_signature(self):
-        """Which modules have hooks now (global module hooks: all of them). (Inlined: this runs
-        on every call.)"""
-        g = torch.nn.modules.module
-        if (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
-                or g._global_backward_pre_hooks):
+        """Which modules have hooks now (global module hooks: all of them)."""
+        if _global_hooks():
             return True
-        return tuple([bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
-                      for m in self._modules.values()])
+        return tuple([_has_hooks(m) for m in self._modules.values()])
 
     def _get_stages(self) -> list:
         """Consecutive fusible modules grouped into fusers: list of (stage, module indices), a
@@ -238,9 +234,7 @@ class Sequential(torch.nn.Module):
         return self._stages
 
     def forward(self, x: torch.Tensor, *extra_inputs):
-        if self._stages is None or self._hook_signature() != self._hook_sig:
-            self._get_stages()
-        stages = self._stages
+        stages = self._get_stages()
         if len(extra_inputs) != self._needed:
             raise TypeError(f"Sequential expected {self._needed} extra input(s) after x, got {len(extra_inputs)}")
         if self._only is not None:

@@ -40,7 +40,7 @@ from fusible_ops.kernels.activation_ref import (  # noqa: F401  (re-exported: on
     scaled_swiglu_bwd_ref,
     scaled_swiglu_fwd_ref,
 )
-from fusible_ops.kernels.dropout import check_p_seed, keep_scale, seed_tensor
+from fusible_ops.kernels.dropout import keep_scale, kernel_seed
 from fusible_ops.kernels.fp8_cast import FP8_MAX_OF, fp8_epilogue_ref
 from fusible_ops.kernels.partials import sum_partials
 from fusible_ops.kernels.launch import (MIN_BLOCK_C, DirectKernel, as_rows, cdiv, contiguous_or, elementwise_config,
@@ -434,9 +434,7 @@ def bias_act_fwd(
     y is multiplied by ``1 / (1 - dropout_p)`` where kept and by 0 where dropped. NaN/Inf in z
     give what torch's activation (and dropout) give, forward and backward.
     """
-    if dropout_p != 0.0 or seed is not None:  # (shapes and kind: checked once per shape by the launcher)
-        check_p_seed(dropout_p, seed)
-        seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
+    seed = kernel_seed(dropout_p, seed, x.device)  # (shapes and kind: checked once per shape by the launcher)
     if use_triton(x, bias):
         return _bias_act_fwd_op(x, bias, kind, float(dropout_p), seed)
     return bias_act_fwd_ref(x, bias, kind, dropout_p=dropout_p, seed=seed)
@@ -453,8 +451,7 @@ def bias_act_fwd_fp8(
     follows needs no reduction pass. With ``scale`` (fp32 [1], delayed scaling) returns the FP8
     bytes q [rows, n_out] of y (rounded to x's dtype first, exactly as a cast of
     :func:`bias_act_fwd`'s y); y itself is never written."""
-    check_p_seed(dropout_p, seed)
-    seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
+    seed = kernel_seed(dropout_p, seed, x.device)
     if use_triton(x, bias):
         fp8 = (2, fp8_dtype) if scale is not None else (1, None)
         return _act_fwd_launch(x, bias, None, kind, float(dropout_p), seed, fp8, scale, amax)
@@ -475,9 +472,7 @@ def bias_act_bwd(
     ``need_dbias`` is False or bias is None. The Triton path computes dz and the bias
     column sums in one pass (deterministic, no atomics).
     """
-    if dropout_p != 0.0 or seed is not None:
-        check_p_seed(dropout_p, seed)
-        seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
+    seed = kernel_seed(dropout_p, seed, x.device)
     need_dbias = bool(need_dbias) and bias is not None
     if use_triton(dy, x, bias):
         dz, dbias = _bias_act_bwd_op(dy, x, bias, kind, need_dbias, float(dropout_p), seed)
@@ -491,9 +486,8 @@ def bias_act_bwd_amax(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`bias_act_bwd` (eager calls) whose pass also raises ``amax`` (fp32 [1]) to ``max|dz|``
     of the stored dz: an FP8 cast of dz for the preceding linear then needs no reduction pass."""
-    check_p_seed(dropout_p, seed)
+    seed = kernel_seed(dropout_p, seed, x.device)
     need_dbias = bool(need_dbias) and bias is not None
-    seed = seed_tensor(seed, x.device) if dropout_p > 0.0 else None
     if use_triton(dy, x, bias):
         dz, dbias, _ = _act_bwd_launch(dy, x, bias, None, kind, need_dbias, False, float(dropout_p), seed, amax)
         return dz, dbias

@@ -82,8 +82,7 @@ def check_bias_act(x, bias, kind, dropout_p, seed) -> tuple[int, bool, str]:
     out_cols(x, info[1])
     if bias is not None and tuple(bias.shape) != (x.shape[-1],):
         raise ValueError(f"bias_act: bias shape {tuple(bias.shape)} != ({x.shape[-1]},)")
-    if dropout_p != 0.0 or seed is not None:
-        check_p_seed(dropout_p, seed)
+    check_p_seed(dropout_p, seed)
     return info
 
 

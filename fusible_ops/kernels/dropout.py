@@ -130,11 +130,20 @@ def seed_tensor(seed: Seed, device) -> torch.Tensor:
 
 def check_p_seed(p: float, seed: Optional[Seed]) -> None:
     """p in [0, 1]; a seed is needed when p > 0 (an int seed is range-checked on the host)."""
+    if p == 0.0 and seed is None:  # no dropout (every kernel call without it: host time)
+        return
     _check_p(p)
     if p > 0.0 and seed is None:
         raise ValueError(f"dropout with p={p} > 0 needs a seed (an int64 tensor with one element)")
     if seed is not None and not isinstance(seed, torch.Tensor):
         _check_int_seed(seed)
+
+
+def kernel_seed(p: float, seed: Optional[Seed], device) -> Optional[torch.Tensor]:
+    """Checked ``(p, seed)`` of a kernel call with optional dropout: the seed as the int64 ``[1]``
+    tensor the kernels read when ``p > 0``, else None."""
+    check_p_seed(p, seed)
+    return seed_tensor(seed, device) if p > 0.0 else None
 
 
 def keep_scale(p: float) -> float:
@@ -358,6 +367,7 @@ def dropout_bwd_ref(dy: torch.Tensor, p: float, seed: Optional[Seed] = None) -> 
 
 __all__ = [
     "check_p_seed",
+    "kernel_seed",
     "dropout_bwd",
     "dropout_bwd_ref",
     "dropout_fwd",

@@ -11,19 +11,14 @@ import math
 
 import torch
 
-from .launch import cast_to, compute_dtype
-
-
-def _rows2d(t: torch.Tensor, rows: int, n: int) -> torch.Tensor:
-    return t if t.dim() == 2 else t.reshape(rows, n)  # (no reshape call for 2-D rows: host time)
+from .launch import as_rows, cast_to, compute_dtype
 
 
 def _ref_fwd(x, weight, bias, eps, residual, is_rms):
     ct = compute_dtype(x.dtype)
-    n = x.shape[-1]
     xsum = cast_to(cast_to(x, ct) + cast_to(residual, ct), x.dtype) if residual is not None else x
     rows = math.prod(x.shape[:-1])
-    xs = _rows2d(cast_to(xsum, ct), rows, n)
+    xs = as_rows(cast_to(xsum, ct))
     if is_rms:
         mean = None
         xc = xs
@@ -42,11 +37,10 @@ def _ref_fwd(x, weight, bias, eps, residual, is_rms):
 
 def _ref_bwd(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra, is_rms):
     ct = compute_dtype(xsum.dtype)
-    n = xsum.shape[-1]
     pdtype = weight.dtype if weight is not None else xsum.dtype
     rows = math.prod(xsum.shape[:-1])
-    xs = _rows2d(cast_to(xsum, ct), rows, n)
-    g0 = _rows2d(cast_to(dy, ct), rows, n)
+    xs = as_rows(cast_to(xsum, ct))
+    g0 = as_rows(cast_to(dy, ct))
     r = cast_to(rstd, ct).reshape(rows, 1)
     xhat = xs * r if is_rms else (xs - cast_to(mean, ct).reshape(rows, 1)) * r
     g = g0 * cast_to(weight, ct) if weight is not None else g0
@@ -55,7 +49,7 @@ def _ref_bwd(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra
         dx = dx - g.mean(-1, keepdim=True)
     dx = dx * r
     if dxsum_extra is not None:
-        dx = dx + _rows2d(cast_to(dxsum_extra, ct), rows, n)
+        dx = dx + as_rows(cast_to(dxsum_extra, ct))
     dw = cast_to((g0 * xhat).sum(0), pdtype) if (need_dweight and weight is not None) else None
     db = cast_to(g0.sum(0), pdtype) if need_dbias else None
     dx = cast_to(dx, xsum.dtype)
