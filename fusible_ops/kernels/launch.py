@@ -208,14 +208,24 @@ class DirectKernel:
         """Launch on ``grid`` (a tuple of 1 to 3 ints) with positional ``args`` (every runtime
         argument, in order; the first is a tensor) and ``meta`` (constexprs and launch options
         such as ``num_warps``)."""
-        ptrs = 0
+        ptrs, raw = 0, []
         for a in args:
             if isinstance(a, torch.Tensor):
-                ptrs |= a.data_ptr()
-        self.launch_keyed(grid, key, args, meta, ptrs)
+                p = a.data_ptr()
+                ptrs |= p
+                raw.append(p)
+            else:
+                raw.append(a)
+        self.launch_keyed(grid, key, args, meta, ptrs, raw)
 
-    def launch_keyed(self, grid: tuple, key, args: tuple, meta: dict, ptrs: int) -> None:
-        """:meth:`__call__` for a caller that has OR-ed the tensors' data pointers into ``ptrs``."""
+    def launch_keyed(self, grid: tuple, key, args: tuple, meta: dict, ptrs: int, raw: Sequence) -> None:
+        """:meth:`__call__` for a caller that has OR-ed the tensors' data pointers into ``ptrs``
+        and made ``raw``: ``args`` with each tensor replaced by its data pointer (an int).
+
+        The binary gets ``raw``: Triton's C launcher takes an int pointer as it is, where a
+        tensor costs a ``data_ptr()`` call and a driver query (``cuPointerGetAttribute``) per
+        argument. That query translates host-mapped pointers; a CUDA tensor's data pointer is
+        already its device address, and only CUDA tensors reach a binary."""
         entry = self._bins.get(key) if DIRECT and not ptrs & 15 else None
         if entry is None:
             self._first(grid, key, args, meta, not ptrs & 15)
@@ -225,9 +235,9 @@ class DirectKernel:
             self._check(args, meta, dev, spec)
         if _MULTI_GPU and dev != torch._C._cuda_getDevice():
             with torch.cuda.device(dev):
-                go(grid, _raw_stream(dev), args)
+                go(grid, _raw_stream(dev), raw)
             return
-        go(grid, _raw_stream(dev), args)
+        go(grid, _raw_stream(dev), raw)
 
     def _first(self, grid, key, args, meta, aligned) -> None:
         """Through Triton; keeps the compiled kernel (CUDA, aligned tensors)."""
@@ -243,10 +253,11 @@ class DirectKernel:
     def _launcher(self, ck, args, meta, dev: int):
         """``go(grid, stream, args)``: the compiled kernel's launch with the constexprs appended.
 
-        A binary that needs global scratch memory (TMA descriptors made on the device) gets a fresh
-        buffer per launch from torch's caching allocator, sized as Triton sizes it (grid x CTAs x
-        per-CTA bytes): what Triton's own launch path does through the allocator
-        :func:`~fusible_ops.kernels.persistent.tma_ok` installs, without its Python wrapper."""
+        A binary that needs global scratch memory (TMA descriptors made on the device) gets a
+        buffer sized as Triton sizes it (grid x CTAs x per-CTA bytes): on the device's default
+        stream the one buffer :func:`_default_stream_scratch` keeps, else (side streams, graph
+        capture) a fresh one per launch from torch's caching allocator, as Triton's own launch path
+        does through the allocator :func:`~fusible_ops.kernels.persistent.tma_ok` installs."""
         tail = []
         for p in self.kernel.params[len(args):]:
             if not p.is_constexpr:
@@ -268,7 +279,9 @@ class DirectKernel:
 
                 def go(grid, stream, args):
                     g1, g2 = grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
-                    buf = torch.empty(grid[0] * g1 * g2 * per_program, dtype=torch.int8, device=dev)
+                    size = grid[0] * g1 * g2 * per_program
+                    buf = (_default_stream_scratch(dev, size) if stream == 0 and not pdl else
+                           torch.empty(size, dtype=torch.int8, device=dev))
                     raw(grid[0], g1, g2, stream, fn, coop, pdl, buf, None, md, None, None, None, *args, *tail)
             else:
                 def go(grid, stream, args):
@@ -309,6 +322,26 @@ def arg_classes(args: tuple) -> tuple:
 
 def _raw_stream(dev: int) -> int:
     return torch._C._cuda_getCurrentRawStream(dev)
+
+
+_SCRATCH: dict[int, torch.Tensor] = {}
+
+
+def _default_stream_scratch(dev: int, size: int) -> torch.Tensor:
+    """The global-scratch buffer of launches on device ``dev``'s default stream (raw handle 0):
+    one per device, grown when a launch needs more (from torch's caching allocator).
+
+    Why one buffer is enough there: launches on one stream run one after another (no
+    programmatic dependent launch: callers pass only non-PDL launches), and each program writes
+    its scratch before it reads it. The default stream is never destroyed, so no other stream
+    ever gets its handle: a buffer keyed by any other raw handle could be shared by a new stream
+    created after an old one's destruction while the old one's work still runs. Side streams
+    and graph capture (never on the default stream) take a fresh buffer per launch instead."""
+    buf = _SCRATCH.get(dev)
+    if buf is None or buf.numel() < size:
+        # (the old buffer goes back to the allocator, stream-ordered: reused after the launches queued on it)
+        buf = _SCRATCH[dev] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device=dev)
+    return buf
 
 
 _MULTI_GPU = torch.cuda.is_available() and torch.cuda.device_count() > 1
@@ -361,20 +394,23 @@ class TunedKernel:
             return
         # Everything a launch decides (config, grid, constexprs, Triton's specialization) is a
         # function of this signature: computed once per signature, then the binary is launched.
-        sig, ptrs = [AUTOTUNE, device, *const.items()], 0
+        sig, ptrs, raw = [AUTOTUNE, device, *const.items()], 0, []
         for a in args:
             if isinstance(a, torch.Tensor):
                 sig.append(a.dtype)
-                ptrs |= a.data_ptr()
+                p = a.data_ptr()
+                ptrs |= p
+                raw.append(p)
             else:
                 sig.append(a)
+                raw.append(a)
         sig = tuple(sig)
         ready = self._ready.get(sig)
         if ready is None:
             ready = self._prepare(sig, grid, args, const, dtype)
             if ready is None:  # the autotuner ran (and launched) this call
                 return
-        self.direct.launch_keyed(ready[0], sig, args, ready[1], ptrs)
+        self.direct.launch_keyed(ready[0], sig, args, ready[1], ptrs, raw)
 
     def _prepare(self, sig, grid, args, const, dtype):
         """(grid, meta) of a new signature, or None after a tuning run launched the call itself."""

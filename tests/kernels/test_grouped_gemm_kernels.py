@@ -285,6 +285,35 @@ def test_gpu_cuda_graph_replay_with_new_splits(dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_tma_scratch_one_buffer_on_default_stream_fresh_on_side_streams():
+    """Launches with device-made TMA descriptors share one scratch buffer per device on the
+    default stream (grown when a launch needs more); launches on a side stream take their own.
+    Queued back to back with different grids on both streams, every result is exact."""
+    assert torch.cuda.current_stream().cuda_stream == 0  # the default stream's raw handle
+    cases = [(1000, [300, 0, 411, 1, 288]), (64, [64, 0, 0, 0, 0]), (4096, [1000, 96, 0, 3000, 0])]
+    data = [_data(M, 200, 136, splits, torch.bfloat16, "cuda", seed=i) for i, (M, splits) in enumerate(cases)]
+    for x, w, b, dy, split in data:  # first launches (compilation) go through Triton's own path
+        gg.grouped_gemm_fwd(x, w, split, b), gg.grouped_gemm_dgrad(dy, w, split), gg.grouped_gemm_wgrad(dy, x, split)
+    torch.cuda.synchronize()
+    launch._SCRATCH.clear()
+    outs = [gg.grouped_gemm_fwd(x, w, split, b) for x, w, b, _, split in data]  # no sync in between
+    dev = torch.cuda.current_device()
+    assert dev in launch._SCRATCH, "the TMA path ran without the default-stream scratch buffer"
+    buf = launch._SCRATCH[dev]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        side_outs = [gg.grouped_gemm_wgrad(dy, x, split) for x, _, _, dy, split in data]
+    assert launch._SCRATCH[dev] is buf  # side-stream launches leave it alone
+    outs += [gg.grouped_gemm_dgrad(dy, w, split) for _, w, _, dy, split in data]
+    torch.cuda.synchronize()
+    for i, (x, w, b, dy, split) in enumerate(data):
+        assert_close_norm(outs[i], fwd64(x, w, split, b), torch.bfloat16, msg=f"fwd {i}")
+        assert_close_norm(outs[3 + i], dgrad64(dy, w, split), torch.bfloat16, msg=f"dgrad {i}")
+        assert_close_norm(side_outs[i], wgrad64(dy, x, split), torch.bfloat16, msg=f"wgrad (side stream) {i}")
+
+
+@pytest.mark.gpu
 def test_gpu_torch_compile_fullgraph():
     x, w, b, dy, split = _data(300, 64, 72, [100, 0, 200], torch.bfloat16, "cuda")
     ops = torch.ops.fusible_ops
