@@ -381,15 +381,17 @@ class OperationFuser:
         if self._wgrad_flagged and plan.requires_grad:
             check_flagged_ops(self.ops, params, plan.param_counts)
         args = [*extra_inputs, *params] if extra_inputs else params
-        if args:
-            ids = {id(t) for t in args}
-            if len(ids) != len(args) or id(x) in ids:
-                args = _distinct(x, args)
         if not _is_compiling() and not _transforms_active():
-            # autograd.Function.apply's Python preamble, minus what eager calls do not need
+            # autograd.Function.apply's Python preamble, minus what eager calls do not need. A
+            # tensor passed twice (x as residual, one split-size tensor for two ops, tied weights)
+            # goes in twice: eager autograd sums the gradients of both positions.
             outs = _RAW_APPLY(_unwrap(x), self, plan, len(extra_inputs), *[
                 _unwrap(a) if isinstance(a, torch.Tensor) else a for a in args])
         else:
+            if args:  # traced: distinct inputs (dynamo breaks the graph on a repeated one)
+                ids = {id(t) for t in args}
+                if len(ids) != len(args) or id(x) in ids:
+                    args = _distinct(x, args)
             outs = _FuserFunction.apply(x, self, plan, len(extra_inputs), *args)
         if self.num_extra_outputs == 0:
             return outs[0]

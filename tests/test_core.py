@@ -161,6 +161,35 @@ def test_residual_norm_rule_fires():
     assert_matches_reference(seq, torch.randn(3, 6, requires_grad=True), torch.randn(3, 6, requires_grad=True))
 
 
+def test_same_tensor_passed_twice_gets_both_gradients():
+    """Eager calls hand a tensor passed twice (x as its own residual, one weight tied into two
+    linears) to autograd twice, with no alias: both positions' gradients reach it, as with plain
+    torch."""
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, dtype=torch.float64)
+    seq = fo.Sequential(fo.AddExtraInput(), fo.RMSNorm(6, dtype=torch.float64))
+    with torch.no_grad():
+        seq[1].weight.copy_(w)
+    dy = torch.randn(3, 6, dtype=torch.float64)
+    seq(x, x).backward(dy)
+    xr = x.detach().clone().requires_grad_()
+    wr = w.clone().requires_grad_()
+    F.rms_norm(xr + xr, (6,), wr, seq[1].eps).backward(dy)
+    assert _rules(seq.fusion_plan("forward", x, x)) == ["residual_norm"]
+    assert_close(x.grad, xr.grad, torch.float64)
+    assert_close(seq[1].weight.grad, wr.grad, torch.float64)
+
+    tied = fo.Sequential(fo.BasicLinear(4, 4, dtype=torch.float64), fo.BasicLinear(4, 4, dtype=torch.float64))
+    tied[1].weight = tied[0].weight  # one parameter, two ops
+    xt = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    tied(xt).sum().backward()
+    wt = tied[0].weight.detach().clone().requires_grad_()
+    xp = xt.detach().clone().requires_grad_()
+    (xp @ wt.t() @ wt.t()).sum().backward()
+    assert_close(tied[0].weight.grad, wt.grad, torch.float64)
+    assert_close(xt.grad, xp.grad, torch.float64)
+
+
 def test_explain_shows_declines():
     seq = fo.Sequential(fo.Linear(4, 4), fo.ReLU(), fo.Dropout(0.5))
     assert "linear_bias_activation_dropout" in _rules(seq.fusion_plan())

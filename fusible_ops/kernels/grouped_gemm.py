@@ -151,15 +151,21 @@ def _launch_mn(a, b, c, bias, split, nout, kin, s_bk, s_bn, b_kmajor):
     M, G = a.shape[0], b.shape[0]
     if M == 0 or nout == 0:
         return c
-    use_tma = kin > 0 and tma_ok(a, b)
     has_bias = bias is not None
     bias_arg = bias if has_bias else c
-    s_biasg, s_biasn = (bias.stride(0), bias.stride(1)) if has_bias else (0, 0)
-    args = (a, b, c, bias_arg, split, M, nout, kin, G, a.stride(0), a.stride(1), b.stride(0), s_bk, s_bn,
-            c.stride(0), c.stride(1), s_biasg, s_biasn)
-    const = dict(HAS_BIAS=has_bias, B_KMAJOR=b_kmajor, USE_TMA=use_tma, PREC=dot_precision(a.dtype),
-                 G_P2=group_p2(G))
-    MN_KERNEL.launch(persistent_grid(M, G, nout, a.device), args, const, a.dtype, a.device)
+    # everything build() reads but the pointers (launch_cached: later calls skip build)
+    key = (a.shape, a.stride(), b.shape, b.stride(), c.stride(), bias.stride() if has_bias else None, a.dtype,
+           b.dtype, c.dtype, bias_arg.dtype, split.dtype, a.device, nout, kin, s_bk, s_bn, b_kmajor)
+
+    def build():
+        use_tma = kin > 0 and tma_ok(a, b)
+        s_biasg, s_biasn = (bias.stride(0), bias.stride(1)) if has_bias else (0, 0)
+        args = (a, b, c, bias_arg, split, M, nout, kin, G, a.stride(0), a.stride(1), b.stride(0), s_bk, s_bn,
+                c.stride(0), c.stride(1), s_biasg, s_biasn)
+        const = dict(HAS_BIAS=has_bias, B_KMAJOR=b_kmajor, USE_TMA=use_tma, PREC=dot_precision(a.dtype),
+                     G_P2=group_p2(G))
+        return args, const, persistent_grid(M, G, nout, a.device)
+    MN_KERNEL.launch_cached(key, (a, b, c, bias_arg, split), build, a.dtype, a.device)
     return c
 
 
@@ -168,12 +174,16 @@ def _launch_wgrad(dy, x, out, split, accumulate):
     K, G = x.shape[1], out.shape[0]
     if G == 0 or N == 0 or K == 0:
         return out
-    use_tma = M > 0 and tma_ok(dy, x)
-    args = (dy, x, out, split, M, N, K, G, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-            out.stride(0), out.stride(1), out.stride(2))
-    const = dict(ACCUMULATE=accumulate, USE_TMA=use_tma, PREC=dot_precision(x.dtype), G_P2=group_p2(G))
-    WGRAD_KERNEL.launch(lambda meta: (G * cdiv(N, meta["BN"]) * cdiv(K, meta["BK"]),), args, const,
-                        x.dtype, x.device)
+    key = (dy.shape, dy.stride(), x.shape, x.stride(), out.shape, out.stride(), dy.dtype, x.dtype, out.dtype,
+           split.dtype, x.device, accumulate)
+
+    def build():
+        use_tma = M > 0 and tma_ok(dy, x)
+        args = (dy, x, out, split, M, N, K, G, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+                out.stride(0), out.stride(1), out.stride(2))
+        const = dict(ACCUMULATE=accumulate, USE_TMA=use_tma, PREC=dot_precision(x.dtype), G_P2=group_p2(G))
+        return args, const, lambda meta: (G * cdiv(N, meta["BN"]) * cdiv(K, meta["BK"]),)
+    WGRAD_KERNEL.launch_cached(key, (dy, x, out, split), build, x.dtype, x.device)
     return out
 
 

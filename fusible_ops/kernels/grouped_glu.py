@@ -291,19 +291,27 @@ def _glu_fwd_launch(x, w1, split_sizes, bias1, kind, scales, fp8=None, gather=No
     y = torch.empty((M, F), dtype=out_dtype, device=x.device)
     if M == 0 or F == 0:
         return y, h
-    use_tma = K > 0 and tma_ok(x, w1)
     dummy = h
     fp8_args = fp8[:3] if fp8 is not None else (dummy, dummy, dummy)
-    args = (x, w1, h, y, bias1 if bias1 is not None else dummy, scales if scales is not None else dummy,
-            split_sizes, gather if gather is not None else split_sizes, *fp8_args, M, F, K, G, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
-            h.stride(0), h.stride(1), y.stride(0), y.stride(1),
-            bias1.stride(0) if bias1 is not None else 0, bias1.stride(1) if bias1 is not None else 0,
-            scales.stride(0) if scales is not None else 0)
-    const = dict(HAS_BIAS=bias1 is not None, HAS_SCALE=scales is not None, ACT=_act_id(kind, scales),
-                 USE_TMA=use_tma, PREC=dot_precision(x.dtype), G_P2=group_p2(G), FP8=fp8 is not None,
-                 GATHER=gather is not None)
+    tensors = (x, w1, h, y, bias1 if bias1 is not None else dummy, scales if scales is not None else dummy,
+               split_sizes, gather if gather is not None else split_sizes, *fp8_args)
+    # everything build() reads but the pointers (launch_cached: later calls skip build)
+    key = (x.shape, x.stride(), w1.shape, w1.stride(), M, out_dtype, None if bias1 is None else bias1.stride(),
+           None if scales is None else scales.stride(), kind, fp8 is None, gather is None,
+           *[t.dtype for t in tensors], x.device)
+
+    def build():
+        use_tma = K > 0 and tma_ok(x, w1)
+        args = (*tensors, M, F, K, G, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
+                h.stride(0), h.stride(1), y.stride(0), y.stride(1),
+                bias1.stride(0) if bias1 is not None else 0, bias1.stride(1) if bias1 is not None else 0,
+                scales.stride(0) if scales is not None else 0)
+        const = dict(HAS_BIAS=bias1 is not None, HAS_SCALE=scales is not None, ACT=_act_id(kind, scales),
+                     USE_TMA=use_tma, PREC=dot_precision(x.dtype), G_P2=group_p2(G), FP8=fp8 is not None,
+                     GATHER=gather is not None)
+        return args, const, persistent_grid(M, G, F, x.device)
     kernel = GLU_FWD_KERNEL if fp8 is None else GLU_FWD_FP8_KERNEL
-    kernel.launch(persistent_grid(M, G, F, x.device), args, const, x.dtype, x.device)
+    kernel.launch_cached(key, tensors, build, x.dtype, x.device)
     return y, h
 
 
@@ -330,22 +338,31 @@ def _dglu_launch(dy2, w2, split_sizes, h, kind, scales, need_dscales, fp8=None):
     y = torch.empty((M, F if fp8 is None else 0), dtype=h.dtype, device=h.device)
     need_ds = bool(need_dscales)
     bn_min = INTERP_MN["BN"] // 2 if _interp(dy2) else _BN_MIN  # (2 slots per tile in the interpreter)
-    parts = torch.empty((cdiv(F, bn_min) if need_ds else 0, M), dtype=torch.float32, device=dy2.device)
+    # (no [0, M] placeholder when the scales' gradient is not asked for: an allocation costs host time)
+    parts = torch.empty((cdiv(F, bn_min), M), dtype=torch.float32, device=dy2.device) if need_ds else None
     if M == 0 or F == 0:
-        return dh, y, parts.sum(0) if need_ds else parts.new_empty(0)
-    use_tma = H > 0 and tma_ok(dy2, w2)
-    # strides of w2 as [G, H, F] (s_wg, s_wh, s_wf); under FP8 w2 is [G, F, H]
-    s_wh, s_wf = (w2.stride(2), w2.stride(1)) if fp8 is not None else (w2.stride(1), w2.stride(2))
+        return dh, y, parts.sum(0) if need_ds else dh.new_empty(0, dtype=torch.float32)
     fp8_args = fp8 if fp8 is not None else (dh, dh, dh)
-    args = (dy2, w2, h, scales if scales is not None else h, dh, y if fp8 is None else dh, parts if need_ds else dh,
-            split_sizes, *fp8_args, M, F, H, G, dy2.stride(0), dy2.stride(1), w2.stride(0), s_wh, s_wf,
-            h.stride(0), h.stride(1), scales.stride(0) if scales is not None else 0,
-            dh.stride(0), dh.stride(1), y.stride(0) if fp8 is None else 0, y.stride(1) if fp8 is None else 0)
-    const = dict(HAS_SCALE=scales is not None, NEED_DS=need_ds, ACT=_act_id(kind, scales), USE_TMA=use_tma,
-                 PREC=dot_precision(dy2.dtype), G_P2=group_p2(G), BN_MIN=bn_min, FP8=fp8 is not None)
+    tensors = (dy2, w2, h, scales if scales is not None else h, dh, y if fp8 is None else dh, parts if need_ds else dh,
+               split_sizes, *fp8_args)
+    # everything build() reads but the pointers (launch_cached: later calls skip build)
+    key = (dy2.shape, dy2.stride(), w2.shape, w2.stride(), h.shape, h.stride(),
+           None if scales is None else scales.stride(), kind, need_ds, fp8 is None, *[t.dtype for t in tensors],
+           dy2.device)
+
+    def build():
+        use_tma = H > 0 and tma_ok(dy2, w2)
+        # strides of w2 as [G, H, F] (s_wg, s_wh, s_wf); under FP8 w2 is [G, F, H]
+        s_wh, s_wf = (w2.stride(2), w2.stride(1)) if fp8 is not None else (w2.stride(1), w2.stride(2))
+        args = (*tensors, M, F, H, G, dy2.stride(0), dy2.stride(1), w2.stride(0), s_wh, s_wf,
+                h.stride(0), h.stride(1), scales.stride(0) if scales is not None else 0,
+                dh.stride(0), dh.stride(1), y.stride(0) if fp8 is None else 0, y.stride(1) if fp8 is None else 0)
+        const = dict(HAS_SCALE=scales is not None, NEED_DS=need_ds, ACT=_act_id(kind, scales), USE_TMA=use_tma,
+                     PREC=dot_precision(dy2.dtype), G_P2=group_p2(G), BN_MIN=bn_min, FP8=fp8 is not None)
+        return args, const, persistent_grid(M, G, F, dy2.device)
     kernel = DGLU_KERNEL if fp8 is None else DGLU_FP8_KERNEL
-    kernel.launch(persistent_grid(M, G, F, dy2.device), args, const, dy2.dtype, dy2.device)
-    return dh, y, parts.sum(0) if need_ds else parts.new_empty(0)
+    kernel.launch_cached(key, tensors, build, dy2.dtype, dy2.device)
+    return dh, y, parts.sum(0) if need_ds else dh.new_empty(0, dtype=torch.float32)
 
 
 @kernel_op("fusible_ops::grouped_dglu", mutates_args=())

@@ -239,6 +239,21 @@ class DirectKernel:
             return
         go(grid, _raw_stream(dev), raw)
 
+    def launch_raw(self, grid: tuple, key, raw: Sequence) -> bool:
+        """Launch the binary cached under ``key`` with ``raw`` (every runtime argument, tensors as
+        int data pointers, all 16-byte aligned); False, launching nothing, when no binary is
+        cached under ``key`` (then the caller takes the full path)."""
+        entry = self._bins.get(key) if DIRECT else None
+        if entry is None:
+            return False
+        go, dev = entry[0], entry[1]
+        if _MULTI_GPU and dev != torch._C._cuda_getDevice():
+            with torch.cuda.device(dev):
+                go(grid, _raw_stream(dev), raw)
+            return True
+        go(grid, _raw_stream(dev), raw)
+        return True
+
     def _first(self, grid, key, args, meta, aligned) -> None:
         """Through Triton; keeps the compiled kernel (CUDA, aligned tensors)."""
         dev = args[0].get_device()  # -1 on CPU (Triton's interpreter)
@@ -379,16 +394,63 @@ class TunedKernel:
         self._key_pos = [(names.index(k), k) for k in key]
         self._chosen: dict = {}
         self._ready = geometry_cache()  # launch signature -> (grid, meta)
+        self._records = geometry_cache()  # (AUTOTUNE, caller's key) -> (grid, signature, meta, int arguments)
 
     def _key(self, args: tuple, const: dict) -> tuple:
         key = tuple(args[i] if i < len(args) else const[k] for i, k in self._key_pos)
         return key + tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
 
+    def launch_cached(self, key: tuple, tensors: tuple, build: Callable[[], tuple], dtype: torch.dtype,
+                      device: torch.device) -> None:
+        """One launch whose arguments are the ``tensors`` (the kernel's leading arguments, in
+        order) followed by integers, through a record kept per ``key``.
+
+        ``build()`` returns ``(args, const, grid)`` as :meth:`launch` takes them (``args`` begins
+        with ``tensors``). ``key`` is the caller's: it must fix everything ``build`` computes
+        (shapes, strides, dtypes, flags, the device) given that every tensor's data pointer is
+        16-byte aligned. The first call of a key builds and launches as :meth:`launch` does and
+        keeps the launch (grid, signature, constexprs, integer arguments); later calls with
+        aligned pointers hand ``(pointers..., integers...)`` to the compiled binary without
+        calling ``build`` (its Python costs more host time than the launch). Unaligned pointers,
+        CPU tensors and a binary not compiled yet take the full path. :data:`CHECK_DIRECT` (GPU
+        tests) rebuilds on every call and checks the record against it."""
+        if device.type == "cuda":
+            rec = self._records.get((AUTOTUNE, key))
+            if rec is not None:
+                raw = [t.data_ptr() for t in tensors]
+                ptrs = 0
+                for p in raw:
+                    ptrs |= p
+                if not ptrs & 15:
+                    if CHECK_DIRECT:
+                        self._check_record(rec, tensors, build)
+                    if self.direct.launch_raw(rec[0], rec[1], (*raw, *rec[3])):
+                        return
+        args, const, grid = build()
+        self.launch(grid, args, const, dtype, device, record=(key, len(tensors)))
+
+    def _check_record(self, rec, tensors, build) -> None:
+        args, const, grid = build()
+        n = len(tensors)
+        sig = self._signature(args, const, args[0].device)
+        got = (self._ready.get(sig), sig, args[n:])
+        want = ((rec[0], rec[2]), rec[1], rec[3])
+        if got != want or any(a is not t for a, t in zip(args, tensors)):
+            raise AssertionError(f"{self.kernel.__name__}: launch record {want} but the arguments give {got}: the "
+                                 f"caller's record key misses something its build() depends on")
+
+    def _signature(self, args, const, device) -> tuple:
+        sig = [AUTOTUNE, device, *const.items()]
+        for a in args:
+            sig.append(a.dtype if isinstance(a, torch.Tensor) else a)
+        return tuple(sig)
+
     def launch(self, grid: Callable[[dict], tuple], args: tuple, const: dict, dtype: torch.dtype,
-               device: torch.device) -> None:
+               device: torch.device, record: Optional[tuple] = None) -> None:
         """One launch of the kernel on ``args`` (positional, in the kernel's order) with the
         constexprs ``const``. ``grid`` must depend only on the non-tensor arguments, ``const`` and
-        the device (it is evaluated once per such signature)."""
+        the device (it is evaluated once per such signature). ``record``: ``(key, n)`` from
+        :meth:`launch_cached` (``args[:n]`` tensors, the rest integers)."""
         if device.type != "cuda":
             self.kernel[grid(self.interp_meta)](*args, **const, **self.interp_meta)
             return
@@ -411,6 +473,12 @@ class TunedKernel:
             if ready is None:  # the autotuner ran (and launched) this call
                 return
         self.direct.launch_keyed(ready[0], sig, args, ready[1], ptrs, raw)
+        if record is not None and not ptrs & 15:
+            key, n = record
+            tail = args[n:]
+            if any(isinstance(a, torch.Tensor) for a in tail) or not all(isinstance(a, torch.Tensor) for a in args[:n]):
+                raise TypeError(f"{self.kernel.__name__}: launch_cached needs the {n} tensors first, then no tensor")
+            remember(self._records, (AUTOTUNE, key), (ready[0], sig, ready[1], tail))
 
     def _prepare(self, sig, grid, args, const, dtype):
         """(grid, meta) of a new signature, or None after a tuning run launched the call itself."""
