@@ -25,21 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import ms  # noqa: E402
-
-import fusible_ops as fo  # noqa: E402
-
-BF = dict(device="cuda", dtype=torch.bfloat16)
-
-
-def layer(h, f, e, k, groups, ep_group):
-    seq = fo.Sequential(fo.Router(h, e, top_k=k, score="softmax", normalize=True, **BF),
-                        fo.Dispatch(ep_group=ep_group),
-                        fo.GroupedLinear(groups, h, 2 * f, bias=False, **BF), fo.SwiGLU(),
-                        fo.GroupedLinear(groups, f, h, bias=False, **BF), fo.Combine())
-    with torch.no_grad():
-        seq[2].weight.normal_(0, h ** -0.5)
-        seq[4].weight.normal_(0, f ** -0.5)
-    return seq
+from moe_layer_bench import BF, ours as layer  # noqa: E402
 
 
 def step_fn(seq, x, dy):
@@ -71,7 +57,7 @@ def main() -> None:
     torch.manual_seed(rank)  # each rank its own tokens and expert weights
     x = torch.randn(a.t, a.h, **BF, requires_grad=True)
     dy = torch.randn(a.t, a.h, **BF)
-    ep = layer(a.h, a.f, a.e, a.k, a.e // world, group)
+    ep = layer(a.h, a.f, a.e, a.k, group, a.e // world)
     t_ep = slowest(ms(step_fn(ep, x, dy), n=10))
     rows_sent = a.t * a.k
     send = torch.randn(rows_sent - rows_sent % world, a.h, **BF)
@@ -85,7 +71,7 @@ def main() -> None:
     torch.cuda.empty_cache()
     dist.barrier()
     if rank == 0:
-        one = ms(step_fn(layer(a.h, a.f, a.e, a.k, a.e, None), x, dy), n=10)
+        one = ms(step_fn(layer(a.h, a.f, a.e, a.k), x, dy), n=10)
         print(f"MoE layer T={a.t} tokens per GPU, H={a.h} F={a.f} E={a.e} top-{a.k}, bf16, fwd+bwd, "
               f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
         print("| run | ms (slowest rank) | TFLOP/s per GPU | vs 1 GPU | comm hidden |\n|---|---:|---:|---:|---:|")

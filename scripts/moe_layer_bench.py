@@ -30,10 +30,13 @@ BF = dict(device="cuda", dtype=torch.bfloat16)
 SHAPES = [(24576, 1536, 256, 128, 8), (32768, 2048, 768, 128, 8), (16384, 4096, 14336, 8, 2)]
 
 
-def ours(H, Fd, E, k):
-    seq = fo.Sequential(fo.Router(H, E, top_k=k, score="softmax", normalize=True, **BF), fo.Dispatch(),
-                        fo.GroupedLinear(E, H, 2 * Fd, bias=False, **BF), fo.SwiGLU(),
-                        fo.GroupedLinear(E, Fd, H, bias=False, **BF), fo.Combine())
+def ours(H, Fd, E, k, ep_group=None, local=None):
+    """The layer as one ``fo.Sequential``; expert parallel with ``ep_group`` (``local`` = E / ep
+    experts per rank)."""
+    g = E if local is None else local
+    seq = fo.Sequential(fo.Router(H, E, top_k=k, score="softmax", normalize=True, **BF), fo.Dispatch(ep_group=ep_group),
+                        fo.GroupedLinear(g, H, 2 * Fd, bias=False, **BF), fo.SwiGLU(),
+                        fo.GroupedLinear(g, Fd, H, bias=False, **BF), fo.Combine())
     with torch.no_grad():
         seq[2].weight.normal_(0, H ** -0.5)
         seq[4].weight.normal_(0, Fd ** -0.5)
