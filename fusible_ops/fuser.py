@@ -565,9 +565,10 @@ class _FuserFunction(torch.autograd.Function):
                 c = ctxs[idx]
                 dy, pg = op.op_backward(c, dy)
                 pg = tuple(pg)
-                _check_param_grads(op, ops[idx], pg, param_grads[idx])
+                if len(pg) != len(param_grads[idx]):
+                    _check_param_grads(op, ops[idx], pg, param_grads[idx])
                 param_grads[idx] = pg
-                c.release()
+                c._saved = ()  # (release(), written out: this runs per op per call)
                 continue
             if gq is None:
                 dy, pg, ge = op.fuser_backward(
@@ -580,11 +581,12 @@ class _FuserFunction(torch.autograd.Function):
                 )
             for j, i in enumerate(idx):
                 pg_i = tuple(pg[j])  # (a tuple is returned as is)
-                _check_param_grads(op, ops[i], pg_i, param_grads[i])
+                if len(pg_i) != len(param_grads[i]):
+                    _check_param_grads(op, ops[i], pg_i, param_grads[i])
                 param_grads[i] = pg_i
                 if ge[j] is not None:
                     grad_extra_in[i] = tuple(ge[j])
-                ctxs[i].release()
+                ctxs[i]._saved = ()
         if not plan.backward_complete:
             dy = None
         elif type(dy) is Float8Tensor:  # autograd gets plain gradients
@@ -596,7 +598,8 @@ class _FuserFunction(torch.autograd.Function):
 
 
 def _check_param_grads(step, op, got, expected: tuple) -> None:
-    """A step's parameter gradients for ``op`` have one entry per parameter of the op."""
+    """A step's parameter gradients for ``op`` have one entry per parameter of the op (the
+    caller compares the lengths first: this raises)."""
     if len(got) != len(expected):
         raise RuntimeError(
             f"{type(step).__name__}'s backward returned {len(got)} param grads for "

@@ -23,7 +23,7 @@ import threading
 import torch
 
 from . import interpreter_enabled
-from .launch import DirectKernel, cdiv, generic_key, next_pow2, num_sms
+from .launch import DirectKernel, cdiv, next_pow2, num_sms
 
 try:
     import triton
@@ -282,7 +282,9 @@ def splits_ok(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
     ok = torch.empty((), dtype=torch.bool, device=split_sizes.device)
     G = split_sizes.shape[0]
     args, meta = (split_sizes, G, rows, ok), dict(G_P2=group_p2(G))
-    _SPLITS_OK((1,), generic_key(args, meta), args, meta)
+    # the launch key: what Triton specializes on (G itself fixes G_P2 and G's integer class)
+    key = (split_sizes.device, split_sizes.dtype, G, rows == 1, rows % 16 == 0, -2**31 <= rows < 2**31)
+    _SPLITS_OK((1,), key, args, meta)
     return ok
 
 
