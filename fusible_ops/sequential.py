@@ -24,11 +24,8 @@ def _has_hooks(m: torch.nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
 
 
-_MODULE = torch.nn.modules.module
-
-
 def _global_hooks() -> bool:
-    g = _MODULE
+    g = torch.nn.modules.module
     return bool(g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
                 or g._global_backward_pre_hooks)
 
@@ -200,14 +197,10 @@ class Sequential(torch.nn.Module):
 
     # -- stages ----------------------------------------------------------------------------
     def _hook_signature(self):
-        """Which modules have hooks now (global module hooks: all of them). (Runs on every call:
-        the tests of :func:`_global_hooks` and :func:`_has_hooks` are written out here.)"""
-        g = _MODULE
-        if g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks \
-                or g._global_backward_pre_hooks:
+        """Which modules have hooks now (global module hooks: all of them)."""
+        if _global_hooks():
             return True
-        return tuple([bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
-                      for m in self._modules.values()])
+        return tuple([_has_hooks(m) for m in self._modules.values()])
 
     def _get_stages(self) -> list:
         """Consecutive fusible modules grouped into fusers: list of (stage, module indices), a
