@@ -2,7 +2,8 @@
 
 Two modes, chosen with :func:`set_device_checks` or the :func:`device_checks` context manager:
 
-* ``"assert"`` (default): ``torch._assert_async``. A bad value fails loudly at the next
+* ``"assert"`` (default): ``torch._assert_async``, or a kernel's own device assert where it checks
+  the values itself (:func:`assert_mode`). A bad value fails loudly at the next
   synchronization, but a device-side assert ends the CUDA context: the process cannot go on.
 * ``"flag"``: the check ORs into a small error flag on the device (and keeps the offending
   values); nothing fails until :func:`check_errors` (one host sync, when the caller chooses)
@@ -45,6 +46,12 @@ def device_checks(mode: str) -> Iterator[None]:
         yield
     finally:
         set_device_checks(previous)
+
+
+def assert_mode() -> bool:
+    """Whether device-side checks report as device asserts (the ``"assert"`` mode): then a kernel
+    may assert itself instead of handing a bool to :func:`device_check`."""
+    return _mode[0] == "assert"
 
 
 def device_check(owner, ok: torch.Tensor, values: torch.Tensor, message: str) -> None:

@@ -41,7 +41,7 @@ EXPECTED = {
     "residual_norm": (1, 3),
     "layernorm": (1, 3),
     "swiglu": (1, 1),
-    "grouped_mlp": (4, 4),
+    "grouped_mlp": (3, 4),
 }
 
 

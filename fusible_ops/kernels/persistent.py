@@ -181,10 +181,20 @@ if HAS_TRITON:
         tl.store(o_ptrs, acc.to(o_base.dtype.element_ty), mask=omask)
 
     @triton.jit
-    def _splits_ok_kernel(split_ptr, G, rows, ok_ptr, G_P2: tl.constexpr):
+    def _splits_valid(split_ptr, G, rows, G_P2: tl.constexpr):
+        """Every one of the G split sizes >= 0 and their sum == rows (a scalar bool)."""
         gi = tl.arange(0, G_P2)
         m = tl.load(split_ptr + gi, mask=gi < G, other=0)
-        tl.store(ok_ptr, (tl.min(m, 0) >= 0) & (tl.sum(m, 0) == rows))
+        return (tl.min(m, 0) >= 0) & (tl.sum(m, 0) == rows)
+
+    @triton.jit
+    def _splits_ok_kernel(split_ptr, G, rows, ok_ptr, G_P2: tl.constexpr):
+        tl.store(ok_ptr, _splits_valid(split_ptr, G, rows, G_P2))
+
+    @triton.jit(debug=True)  # (Triton compiles device_assert only into debug kernels)
+    def _splits_assert_kernel(split_ptr, G, rows, G_P2: tl.constexpr):
+        tl.device_assert(_splits_valid(split_ptr, G, rows, G_P2),
+                         "split sizes must be non-negative and sum to the input's rows")
 
     def mn_config(bm, bn, bk, warps, stages, pps=1, flat=False):
         """A config of a tile-space kernel; ``pps`` programs per SM (read by the grid), ``flat``:
@@ -274,6 +284,14 @@ def check_splits(split_sizes: torch.Tensor, G: int, *tensors: torch.Tensor) -> N
 
 
 _SPLITS_OK = DirectKernel(_splits_ok_kernel) if HAS_TRITON else None
+_SPLITS_ASSERT = DirectKernel(_splits_assert_kernel) if HAS_TRITON else None
+
+
+def _splits_key(split_sizes: torch.Tensor, rows: int) -> tuple:
+    """The launch key of the split-size checks: what Triton specializes on (G itself fixes G_P2
+    and G's integer class)."""
+    G = split_sizes.shape[0]
+    return (split_sizes.device, split_sizes.dtype, G, rows == 1, rows % 16 == 0, -2**31 <= rows < 2**31)
 
 
 def splits_ok(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
@@ -281,11 +299,17 @@ def splits_ok(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
     One launch, no host sync (the torch-op form of this check costs five)."""
     ok = torch.empty((), dtype=torch.bool, device=split_sizes.device)
     G = split_sizes.shape[0]
-    args, meta = (split_sizes, G, rows, ok), dict(G_P2=group_p2(G))
-    # the launch key: what Triton specializes on (G itself fixes G_P2 and G's integer class)
-    key = (split_sizes.device, split_sizes.dtype, G, rows == 1, rows % 16 == 0, -2**31 <= rows < 2**31)
-    _SPLITS_OK((1,), key, args, meta)
+    _SPLITS_OK((1,), _splits_key(split_sizes, rows), (split_sizes, G, rows, ok), dict(G_P2=group_p2(G)))
     return ok
+
+
+def splits_assert(split_sizes: torch.Tensor, rows: int) -> None:
+    """Assert on the device that every split size is >= 0 and they sum to ``rows``: one launch, no
+    output, no host sync. A failure is a device-side assert, as ``torch._assert_async`` gives (the
+    error surfaces at the next synchronization and ends the CUDA context); :func:`splits_ok`
+    followed by ``torch._assert_async`` would take two launches and an allocation."""
+    G = split_sizes.shape[0]
+    _SPLITS_ASSERT((1,), _splits_key(split_sizes, rows), (split_sizes, G, rows), dict(G_P2=group_p2(G)))
 
 
 def same_dtype(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -295,5 +319,5 @@ def same_dtype(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 __all__ = ["INTERP_MN", "INTERP_PROGS", "INTERP_WG", "check_splits", "group_p2", "persistent_grid", "same_dtype",
-           "splits_ok", "tma_ok"] + (["group_rows", "group_table", "locate_tile", "mainloop", "mn_config", "operand_descs", "pick", "split_cols",
+           "splits_assert", "splits_ok", "tma_ok"] + (["group_rows", "group_table", "locate_tile", "mainloop", "mn_config", "operand_descs", "pick", "split_cols",
                          "tile_coords", "tile_space", "wgrad_config", "wgrad_store", "wgrad_tile"] if HAS_TRITON else [])

@@ -7,9 +7,9 @@ from typing import Optional
 
 import torch
 
-from ..errors import device_check
+from ..errors import assert_mode, device_check
 from ..kernels import use_triton
-from ..kernels.persistent import splits_ok
+from ..kernels.persistent import splits_assert, splits_ok
 from ..grad import WeightGradMixin, deliver_weight_grad
 from ..op import BasicOperation
 from ..quantization.casting import FP8StateMixin
@@ -23,7 +23,8 @@ def check_split_sizes(op, split_sizes, num_groups: int, rows: int, device: torch
     Host-known properties (a 1-D integer tensor of length ``num_groups``) are checked on the
     host. Values: a CPU tensor is checked on the host (``ValueError``); a CUDA tensor is checked
     on the device (no host sync, so the call stays CUDA-graph capturable), reported per
-    :mod:`fusible_ops.errors`: by default a ``torch._assert_async`` that fails loudly at the next
+    :mod:`fusible_ops.errors`: by default one kernel that asserts on the device
+    (:func:`~fusible_ops.kernels.persistent.splits_assert`), failing loudly at the next
     synchronization, or with ``set_device_checks("flag")`` a recoverable flag that
     ``fusible_ops.check_errors()`` turns into a ``ValueError``. Under ``torch.compile`` both
     host and device tensors use the tensor assert (no data-dependent Python branch to trace).
@@ -53,6 +54,9 @@ def check_split_sizes(op, split_sizes, num_groups: int, rows: int, device: torch
         if split_sizes.dtype != torch.int64 or split_sizes.device != device:  # (.to costs host time)
             split_sizes = split_sizes.to(device=device, dtype=torch.int64)
         if not torch.compiler.is_compiling() and use_triton(split_sizes):
+            if assert_mode():  # one launch that checks and asserts (no bool, no _assert_async)
+                splits_assert(split_sizes, rows)
+                return split_sizes
             ok = splits_ok(split_sizes, rows)  # one launch
         else:
             ok = (split_sizes >= 0).all() & (split_sizes.sum() == rows)

@@ -341,6 +341,42 @@ def test_splits_ok_kernel(sizes, rows, ok):
     assert got.dtype == torch.bool and got.dim() == 0 and bool(got) is ok
 
 
+_ASSERT_CHILD = """
+import sys, torch
+import fusible_ops as fo
+op = fo.GroupedLinear(3, 16, 16, device="cuda", dtype=torch.bfloat16)
+x = torch.randn(12, 16, device="cuda", dtype=torch.bfloat16)
+op(x, torch.tensor([4, 0, 8], device="cuda"))  # good sizes: no assert
+torch.cuda.synchronize()
+print("GOOD", flush=True)
+op(x, torch.tensor({bad}, device="cuda"))
+try:
+    torch.cuda.synchronize()
+    print("NO ERROR", flush=True)
+except Exception as e:
+    print("ERROR", str(e).splitlines()[0], flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="CUDA")
+@pytest.mark.parametrize("bad", [[4, -1, 9], [4, 4, 5]])
+def test_gpu_bad_cuda_split_sizes_fail_by_device_assert(bad):
+    """Default ("assert") device checks: CUDA split sizes are checked by ONE kernel that asserts
+    on the device (no bool output, no ``_assert_async``); a bad size (negative, or a sum that is
+    not the rows) fails at the next sync as a device-side assert. In a child process: the assert
+    ends the CUDA context."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _ASSERT_CHILD.format(bad=bad)], capture_output=True, text=True,
+                          timeout=300)
+    out = proc.stdout
+    assert "GOOD" in out, proc.stderr[-2000:]
+    assert "ERROR" in out and "NO ERROR" not in out, out + proc.stderr[-2000:]
+    assert "device-side assert" in out
+
+
 def test_launch_cdiv_and_next_pow2_match_triton():
     """The plain-Python grid helpers give what triton.cdiv / next_power_of_2 give."""
     import triton
