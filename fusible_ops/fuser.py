@@ -380,6 +380,14 @@ class OperationFuser:
         self.last_key = key
         if self._wgrad_flagged and plan.requires_grad:
             check_flagged_ops(self.ops, params, plan.param_counts)
+        if not plan.requires_grad and not _is_compiling() and not _transforms_active():
+            # No gradient anywhere (no_grad / inference, or nothing requires grad): the steps run
+            # as they would inside the autograd function, without the function (no node to build).
+            ctxs = [OperationContext() for _ in plan.ctx_flags]
+            y, extra_outputs = _run_forward(self, plan, ctxs, x, extra_inputs)
+            if self.num_extra_outputs == 0:
+                return y
+            return (y, *[t for e in extra_outputs for t in e])
         args = [*extra_inputs, *params] if extra_inputs else params
         if not _is_compiling() and not _transforms_active():
             # autograd.Function.apply's Python preamble, minus what eager calls do not need. A
@@ -479,22 +487,9 @@ class _BackwardContext:
 class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(func_ctx, x, fuser: OperationFuser, plan: Plan, num_extra: int, *args):
-        extra_inputs = fuser._split_extra(args[:num_extra]) if num_extra else fuser._no_extras
         ctxs = [OperationContext(rg, irg, wrg) for rg, irg, wrg in plan.ctx_flags]
+        y, extra_outputs = _run_forward(fuser, plan, ctxs, x, args[:num_extra] if num_extra else ())
         has_extra_out = fuser.num_extra_outputs != 0
-        extra_outputs: list[tuple] = [()] * len(ctxs)
-        y = x
-        for op, idx, kwargs, direct, plain_in in plan.forward_program:
-            if plain_in and type(y) is Float8Tensor:
-                y = y.dequantize()  # an op that reads plain tensors
-            if direct:  # one basic op, its own op_forward (idx: its index)
-                y = op.op_forward(ctxs[idx], y, **kwargs)
-                continue
-            y, ex = op.fuser_forward([ctxs[i] for i in idx], y, extra_inputs=[extra_inputs[i] for i in idx],
-                                     basic_op_kwargs=kwargs)
-            if has_extra_out:
-                for i, e in zip(idx, ex):
-                    extra_outputs[i] = tuple(e)
         if plan.requires_grad:
             # Route every op's saved tensors through autograd (saved-tensor hooks, offloading,
             # in-place modification checks all see them); ctxs get them back in backward.
@@ -595,6 +590,27 @@ class _FuserFunction(torch.autograd.Function):
         flat_ge = [t if k else None for k, t in zip(plan.extra_keep, [t for e in grad_extra_in for t in e])]
         flat_pg = [t if k else None for k, t in zip(plan.param_keep, [t for p in param_grads for t in p])]
         return (dx, None, None, None, *flat_ge, *flat_pg)
+
+
+def _run_forward(fuser: OperationFuser, plan: Plan, ctxs: list, x: torch.Tensor, extra: Sequence) -> tuple:
+    """The plan's forward steps on ``x`` with the flat extra inputs ``extra``, filling ``ctxs``.
+    Returns ``(y, extra_outputs)``: one tuple of extra outputs per basic op."""
+    extra_inputs = fuser._split_extra(extra) if extra else fuser._no_extras
+    has_extra_out = fuser.num_extra_outputs != 0
+    extra_outputs: list[tuple] = [()] * len(ctxs)
+    y = x
+    for op, idx, kwargs, direct, plain_in in plan.forward_program:
+        if plain_in and type(y) is Float8Tensor:
+            y = y.dequantize()  # an op that reads plain tensors
+        if direct:  # one basic op, its own op_forward (idx: its index)
+            y = op.op_forward(ctxs[idx], y, **kwargs)
+            continue
+        y, ex = op.fuser_forward([ctxs[i] for i in idx], y, extra_inputs=[extra_inputs[i] for i in idx],
+                                 basic_op_kwargs=kwargs)
+        if has_extra_out:
+            for i, e in zip(idx, ex):
+                extra_outputs[i] = tuple(e)
+    return y, extra_outputs
 
 
 def _check_param_grads(step, op, got, expected: tuple) -> None:

@@ -303,6 +303,38 @@ def test_no_grad_mode_runs_forward_only():
     assert seq.fusion_plan("backward") != []
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "nothing_requires_grad"])
+def test_calls_without_gradients_skip_the_autograd_function(monkeypatch, mode):
+    """With no gradient anywhere the fuser runs the plan's forward steps without its autograd
+    function (no node to build): same outputs, bit for bit, as a call with gradients, extra
+    outputs in order, and the fused forward plan still runs."""
+    import contextlib
+
+    from fusible_ops import fuser as fuser_mod
+
+    torch.manual_seed(0)
+    seq = fo.Sequential(fo.Linear(6, 6), fo.MakeExtraOutput(), fo.AddExtraInput(), fo.RMSNorm(6), fo.GELU())
+    x, r = torch.randn(3, 6), torch.randn(3, 6)
+    want = seq(x.requires_grad_(True), r)  # with gradients: through the autograd function
+    x = x.detach()
+    if mode == "nothing_requires_grad":
+        for p in seq.parameters():
+            p.requires_grad_(False)
+
+    def no_function(*args):
+        raise AssertionError("the autograd function ran for a call without gradients")
+
+    monkeypatch.setattr(fuser_mod, "_RAW_APPLY", no_function)
+    ctx = {"no_grad": torch.no_grad(), "inference_mode": torch.inference_mode()}.get(mode, contextlib.nullcontext())
+    with ctx:
+        got = seq(x, r)
+    assert isinstance(got, tuple) and len(got) == 2
+    for g, w in zip(got, want):
+        assert not g.requires_grad and g.grad_fn is None
+        assert torch.equal(g, w.detach())
+    assert "residual_norm" in [g["rule"] for g in seq.fusion_plan("forward")]
+
+
 def test_extra_inputs_and_outputs_order():
     seq = fo.Sequential(fo.GroupedLinear(2, 4, 4), fo.MakeExtraOutput(), fo.AddExtraInput(), fo.Linear(4, 4))
     x, r = torch.randn(5, 4), torch.randn(5, 4)
