@@ -6,7 +6,12 @@ Across processes the H200 host's speed drifts by up to 1.5x, which hides changes
 percent; in one process it moves all three alike, so ``after / before`` is steady.
 
     git archive <rev> fusible_ops | tar -x -C /tmp/before     # the older tree
-    PYTHONPATH=. python3 scripts/host_ab_bench.py /tmp/before [--device cpu] [--rounds 3]
+    PYTHONPATH=. python3 scripts/host_ab_bench.py /tmp/before [--device cpu] [--rounds 3] [--no-grad]
+
+``--no-grad`` times forward calls under ``torch.no_grad()`` (inference) instead of forward + backward.
+An A/A run (``/tmp/before`` holding this very tree) shows the harness's own bias: the renamed
+copy has run 0-6% slower than the in-repo tree on the H100 hosts and 1-2% on CPU, so read
+``after / before`` against an A/A run of the same call.
 
 The older package is imported under the name ``fusible_ops_before`` (a renamed copy of it,
 custom-op namespace included, is made in a temporary directory).
@@ -46,6 +51,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=300)
+    ap.add_argument("--no-grad", action="store_true", help="time forward calls under torch.no_grad() (inference)")
     args = ap.parse_args()
     sys.path.insert(0, _renamed_copy(args.before))
     before_host = importlib.import_module("fusible_ops_before.bench.host")
@@ -61,16 +67,27 @@ def main() -> None:
     # weights), so taking after's peer would keep after's tensors warm and favour it over before.
     torch.manual_seed(0)
     plain = list(now_host._workloads(dev, dtype, small))
-    print(f"host us per fwd+bwd, median [p20, p80], {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'}")
+    what = "forward (no_grad)" if args.no_grad else "fwd+bwd"
+    print(f"host us per {what}, median [p20, p80], {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'}")
     for (name, _, b_mod, b_args, _, _, dy), (_, _, a_mod, a_args, _, _, _), (_, _, _, _, peer, p_args, _) in zip(
             before, after, plain):
-        fns = [lambda: b_mod(*b_args).backward(dy), lambda: a_mod(*a_args).backward(dy),
-               lambda: peer(*p_args).backward(dy)]
+        if args.no_grad:
+            fns = [_no_grad(b_mod, b_args), _no_grad(a_mod, a_args), _no_grad(peer, p_args)]
+        else:
+            fns = [lambda: b_mod(*b_args).backward(dy), lambda: a_mod(*a_args).backward(dy),
+                   lambda: peer(*p_args).backward(dy)]
         for _ in range(args.rounds):
             b, a, p = now_host.host_times_interleaved(fns, dev, 20, args.rep)
             print(f"{name:18s} before {b[0]:6.0f} [{b[1]:.0f}, {b[2]:.0f}]  after {a[0]:6.0f} [{a[1]:.0f}, {a[2]:.0f}]  "
                   f"plain {p[0]:6.0f} [{p[1]:.0f}, {p[2]:.0f}]  after/before {a[0] / b[0]:.3f}  "
                   f"before/plain {b[0] / p[0]:.2f}x  after/plain {a[0] / p[0]:.2f}x", flush=True)
+
+
+def _no_grad(fn, args):
+    def call():
+        with torch.no_grad():
+            fn(*args)
+    return call
 
 
 if __name__ == "__main__":
