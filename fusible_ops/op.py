@@ -194,7 +194,11 @@ class BasicOperation(FusibleOperation):
             order.append(name)
 
     def __getattr__(self, name: str):
-        lent = self.__dict__.get("_lent_params")
+        d = self.__dict__
+        params = d.get("_parameters")
+        if params is not None and name in params:  # (torch's own first lookup, without its frame)
+            return params[name]
+        lent = d.get("_lent_params")
         if lent is not None and name in lent[1]:
             owner = lent[0]
             # The owner's registered parameter (also what ``functional_call`` swaps in) when it
