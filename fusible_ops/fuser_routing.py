@@ -1,0 +1,96 @@
+"""MoE routing inside a fuser: the whole plan run as one step (see :class:`RoutedSteps`).
+
+Kept apart from :mod:`fusible_ops.fuser`, which calls :func:`routing_layout` once per fuser and,
+for a fuser holding routing ops, :meth:`RoutedSteps.install` once per plan.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .quantization.tensor import Float8Tensor
+
+if TYPE_CHECKING:
+    from .fuser import Plan
+
+
+def routing_layout(ops):
+    """The MoE routing layout of ``ops`` (:class:`fusible_ops.ops.moe.RoutingLayout`), or None
+    when no op has a ``routing_role`` (the common case: nothing is imported or built)."""
+    if not any(getattr(op, "routing_role", None) for op in ops):
+        return None
+    from .ops.moe import RoutingLayout  # local import: the ops import this package
+
+    return RoutingLayout(ops)
+
+
+class RoutedSteps:
+    """A fuser's whole plan as ONE step, for fusers holding MoE routing ops.
+
+    ``install()`` replaces the plan's forward and backward steps by this object, so the fuser's
+    autograd function (untouched, as for every chain) calls it once per pass. It runs the plan's
+    real steps (the groups ``fusion_plan()`` reports) with a fresh :class:`Routing` per MoE layer
+    per pass: routing ops get it as ``routing=``, routed ops (``GroupedLinear`` between Dispatch
+    and Combine) get its fields as their extra inputs (``RoutingLayout.feeds``). Forward routings
+    live only during the forward (each op saves what its backward reads in its own ctx, through
+    autograd); backward ones carry the probabilities' gradient from Combine to Router.
+    """
+
+    def __init__(self, plan: "Plan", ops, layout) -> None:
+        self.plan, self.ops, self.layout = plan, ops, layout
+
+        def step_region(idx):
+            regions = [layout.region[i] for i in idx if getattr(ops[i], "routing_role", None)]
+            return regions[0] if regions else None
+
+        def sources(idx):  # per op of a step: (its index, its MoE layer, the routing fields it is fed)
+            return tuple([(i, layout.region[i], layout.feeds[i]) for i in idx])
+
+        self.fwd = [(op, idx, kw, step_region(idx), sources(idx)) for op, idx, kw in plan.forward_steps]
+        self.bwd = [(op, idx, gq, step_region(idx)) for op, idx, gq in plan.backward_steps]
+        self.complete = plan.backward_complete
+        self.all = tuple(range(len(ops)))
+
+    def install(self) -> None:
+        plan = self.plan
+        plan.forward_steps = [(self, self.all, plan.op_kwargs)]
+        plan.backward_steps = [(self, self.all, None)] if plan.backward_steps else []
+        plan.backward_complete = True  # this step returns None for dx itself when incomplete
+        plan.compile_steps(self.ops)
+
+    def fuser_forward(self, ctxs, x, *, extra_inputs, basic_op_kwargs):
+        ops = self.ops
+        routings = self.layout.new_routings()
+        extra_outputs = [()] * len(ops)
+        y = x
+        for op, idx, kwargs, region, sources in self.fwd:
+            if type(y) is Float8Tensor and not getattr(ops[idx[0]], "accepts_fp8", False):
+                y = y.dequantize()
+            ex = [tuple([getattr(routings[r], f) for f in fed]) if fed else extra_inputs[i] for i, r, fed in sources]
+            extra = {} if region is None else {"routing": routings[region]}
+            y, outs = op.fuser_forward([ctxs[i] for i in idx], y, extra_inputs=ex, basic_op_kwargs=kwargs, **extra)
+            for i, e in zip(idx, outs):
+                extra_outputs[i] = tuple(e)
+        return y, extra_outputs
+
+    def fuser_backward(self, ctxs, dy, *, grad_extra_outputs):
+        ops, feeds = self.ops, self.layout.feeds
+        routings = self.layout.new_routings()
+        param_grads = [(None,) * c for c in self.plan.param_counts]
+        grad_extra_in = [None] * len(ops)
+        for op, idx, gq, region in self.bwd:
+            if type(dy) is Float8Tensor and not getattr(ops[idx[-1]], "accepts_fp8", False):
+                dy = dy.dequantize()
+            extra = {} if region is None else {"routing": routings[region]}
+            if gq is not None:
+                extra["prev_op_grad_output_quantizer"] = gq
+            dy, pg, ge = op.fuser_backward([ctxs[i] for i in idx], dy,
+                                           grad_extra_outputs=[grad_extra_outputs[i] for i in idx], **extra)
+            for j, i in enumerate(idx):
+                param_grads[i] = pg[j]
+                grad_extra_in[i] = () if feeds[i] else ge[j]  # routed ops' extra inputs are not the caller's
+                ctxs[i].release()
+        return (dy if self.complete else None), param_grads, grad_extra_in
+
+
+__all__ = ["RoutedSteps", "routing_layout"]
