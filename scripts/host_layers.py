@@ -1,11 +1,11 @@
 """Host cost of each layer of a call (CUDA): no_grad forwards of SwiGLU and residual + RMSNorm
 on small shapes (so the GPU never limits), from the bare launcher up to ``Sequential``, with
-plain PyTorch beside them. Median of 3 x 500 calls after warm-up, process pinned to one core.
+plain PyTorch beside them. Minimum over 7 runs of 300 calls after warm-up (host noise only
+adds time), process pinned to one core.
 
     PYTHONPATH=. python3 scripts/host_layers.py
 """
 import os
-import statistics
 import time
 
 import torch
@@ -17,18 +17,18 @@ from fusible_ops.kernels import norm as N
 from fusible_ops.op import OperationContext
 
 
-def _us(fn, n: int = 500) -> float:
+def _us(fn, n: int = 300) -> float:
     for _ in range(100):
         fn()
     torch.cuda.synchronize()
     runs = []
-    for _ in range(3):
+    for _ in range(7):
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
         runs.append((time.perf_counter() - t0) / n * 1e6)
         torch.cuda.synchronize()
-    return statistics.median(runs)
+    return min(runs)
 
 
 def main() -> None:
