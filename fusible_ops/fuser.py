@@ -21,6 +21,7 @@ import dataclasses
 from typing import Optional, Sequence
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch.nn.utils import parametrize
 
 from .fuser_routing import RoutedSteps, routing_layout
@@ -302,9 +303,11 @@ class OperationFuser:
         self.last_key = key
         if self._wgrad_flagged and plan.requires_grad:
             check_flagged_ops(self.ops, params, plan.param_counts)
-        if not plan.requires_grad and not _is_compiling() and not _transforms_active():
+        if (not plan.requires_grad and _forward_ad._current_level < 0 and not _is_compiling()
+                and not _transforms_active()):
             # No gradient anywhere (no_grad / inference, or nothing requires grad): the steps run
             # as they would inside the autograd function, without the function (no node to build).
+            # (Not under forward-mode AD: the kernels would drop the tangents; the function raises.)
             ctxs = [OperationContext() for _ in plan.ctx_flags]
             y, extra_outputs = _run_forward(self, plan, ctxs, x, extra_inputs)
             if self.num_extra_outputs == 0:

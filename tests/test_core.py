@@ -335,6 +335,19 @@ def test_calls_without_gradients_skip_the_autograd_function(monkeypatch, mode):
     assert "residual_norm" in [g["rule"] for g in seq.fusion_plan("forward")]
 
 
+def test_forward_mode_ad_raises_with_and_without_grad():
+    """Forward-mode AD has no jvp through the fuser: a call with dual inputs raises, also under
+    no_grad (where the fuser otherwise skips its autograd function: the kernels would drop the
+    tangents silently)."""
+    import torch.autograd.forward_ad as fwAD
+
+    seq = fo.Sequential(fo.Linear(4, 4), fo.GELU())
+    for grad in (True, False):
+        with fwAD.dual_level(), torch.set_grad_enabled(grad):
+            with pytest.raises(NotImplementedError, match="jvp"):
+                seq(fwAD.make_dual(torch.randn(2, 4), torch.randn(2, 4)))
+
+
 def test_extra_inputs_and_outputs_order():
     seq = fo.Sequential(fo.GroupedLinear(2, 4, 4), fo.MakeExtraOutput(), fo.AddExtraInput(), fo.Linear(4, 4))
     x, r = torch.randn(5, 4), torch.randn(5, 4)
