@@ -230,14 +230,9 @@ class DirectKernel:
         if entry is None:
             self._first(grid, key, args, meta, not ptrs & 15)
             return
-        go, dev, spec = entry
         if CHECK_DIRECT:
-            self._check(args, meta, dev, spec)
-        if _MULTI_GPU and dev != torch._C._cuda_getDevice():
-            with torch.cuda.device(dev):
-                go(grid, _raw_stream(dev), raw)
-            return
-        go(grid, _raw_stream(dev), raw)
+            self._check(args, meta, entry[1], entry[2])
+        _run_binary(entry, grid, raw)
 
     def launch_raw(self, grid: tuple, key, raw: Sequence) -> bool:
         """Launch the binary cached under ``key`` with ``raw`` (every runtime argument, tensors as
@@ -246,12 +241,7 @@ class DirectKernel:
         entry = self._bins.get(key) if DIRECT else None
         if entry is None:
             return False
-        go, dev = entry[0], entry[1]
-        if _MULTI_GPU and dev != torch._C._cuda_getDevice():
-            with torch.cuda.device(dev):
-                go(grid, _raw_stream(dev), raw)
-            return True
-        go(grid, _raw_stream(dev), raw)
+        _run_binary(entry, grid, raw)
         return True
 
     def _first(self, grid, key, args, meta, aligned) -> None:
@@ -337,6 +327,17 @@ def arg_classes(args: tuple) -> tuple:
 
 def _raw_stream(dev: int) -> int:
     return torch._C._cuda_getCurrentRawStream(dev)
+
+
+def _run_binary(entry: tuple, grid: tuple, raw: Sequence) -> None:
+    """Launch a cached binary (``entry``: ``(go, device, spec)``) on the current stream of its
+    device, switching to that device for the launch when it is not the current one."""
+    go, dev = entry[0], entry[1]
+    if _MULTI_GPU and dev != torch._C._cuda_getDevice():
+        with torch.cuda.device(dev):
+            go(grid, _raw_stream(dev), raw)
+        return
+    go(grid, _raw_stream(dev), raw)
 
 
 _SCRATCH: dict[int, torch.Tensor] = {}
