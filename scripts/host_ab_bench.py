@@ -64,7 +64,8 @@ def main() -> None:
     torch.manual_seed(0)
     after = list(now_host._workloads(dev, dtype, small))
     # Plain PyTorch gets a third set: a workload's peer shares tensors with its module (x, the
-    # weights), so taking after's peer would keep after's tensors warm and favour it over before.
+    # weights), and before and after should be treated alike. (This did not remove the A/A bias
+    # the module docstring describes: on CPU it stayed at 1-2%.)
     torch.manual_seed(0)
     plain = list(now_host._workloads(dev, dtype, small))
     what = "forward (no_grad)" if args.no_grad else "fwd+bwd"
