@@ -17,7 +17,9 @@ compute with, and autograd routes their gradients.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -25,11 +27,36 @@ import torch.autograd.forward_ad as _forward_ad
 from torch.nn.utils import parametrize
 
 from .fuser_routing import RoutedSteps, routing_layout
-from .grad import check_flagged_ops
+from .grad import WeightGradMixin, check_flagged_ops, gate_weights
+from .kernels import current_mode
 from .op import BasicOperation, OperationContext
 from .quantization.recipes import current_recipe
 from .quantization.tensor import Float8Tensor
 from .rules import Decline, FusionContext, Group, RuleSet, disabled_key, global_rules, plan_pass
+
+CPU_AUTOGRAD = os.environ.get("FUSIBLE_OPS_CPU_AUTOGRAD", "1") != "0"
+"""Run CPU training calls under PyTorch's own autograd where every forward step allows it
+(:attr:`~fusible_ops.op.FusibleOperation.cpu_autograd`): the forward runs the plan's steps (their
+``*_ref`` math) with autograd recording, and autograd differentiates that math, so the call costs
+about what the same ops cost as ``torch.nn`` modules. Trainable weights of linears pass through
+:class:`~fusible_ops.grad.ContractGate`, so their gradients still reach ``main_grad``, the
+delayed-wgrad queue or ``.grad`` as the gradient contract says. The plans are unchanged, but
+the backward plan does not run. Not inside ``kernels.use("triton")`` (Triton's interpreter runs the
+steps: nothing for autograd to record). ``FUSIBLE_OPS_CPU_AUTOGRAD=0`` (or setting this to False) sends
+every call through the fuser's autograd function and the ops' own backward, as on CUDA (tests of
+the ``*_ref`` backward math do; see :func:`cpu_autograd`)."""
+
+
+@contextlib.contextmanager
+def cpu_autograd(enabled: bool):
+    """Set :data:`CPU_AUTOGRAD` inside the ``with`` block (process-wide; the calls' forwards
+    decide). ``cpu_autograd(False)`` makes CPU calls run the ops' own backward, e.g. to check it."""
+    global CPU_AUTOGRAD
+    previous, CPU_AUTOGRAD = CPU_AUTOGRAD, bool(enabled)
+    try:
+        yield
+    finally:
+        CPU_AUTOGRAD = previous
 
 
 @dataclasses.dataclass
@@ -50,6 +77,11 @@ class Plan:
     # of the plan key); backward returns None for the others
     extra_keep: tuple
     param_keep: tuple
+    # CPU training call whose forward steps are all ``cpu_autograd`` ops: runs under PyTorch's
+    # autograd (see CPU_AUTOGRAD), its contract weights through grad.gate_weights (``gated``: its
+    # arguments, or None when no trainable weight is under the contract)
+    cpu_autograd: bool = False
+    gated: Optional[tuple] = None
 
     def __post_init__(self) -> None:
         # What every call reads, computed once per plan (the host path stays short).
@@ -253,6 +285,9 @@ class OperationFuser:
             extra_keep=tuple([requires_grad and isinstance(e, torch.Tensor) and e.requires_grad
                               for e in extra_inputs]),
             param_keep=tuple([requires_grad and p.requires_grad for p in params]),
+            cpu_autograd=(requires_grad and x.device.type == "cpu" and self._routing is None
+                          and base["recipe"] is None and all(g.op.cpu_autograd for g in fwd)),
+            gated=_contract_weights(ops, params, self._param_counts),
             op_kwargs=[
                 {
                     "next_op_input_quantizer": (_input_quantizer(ops[i + 1], requires_grad and op_trainable[i + 1])
@@ -303,12 +338,15 @@ class OperationFuser:
         self.last_key = key
         if self._wgrad_flagged and plan.requires_grad:
             check_flagged_ops(self.ops, params, plan.param_counts)
-        if (not plan.requires_grad and _forward_ad._current_level < 0 and not _is_compiling()
-                and not _transforms_active()):
+        if ((not plan.requires_grad or (plan.cpu_autograd and CPU_AUTOGRAD and current_mode() != "triton"))
+                and _forward_ad._current_level < 0 and not _is_compiling() and not _transforms_active()):
             # No gradient anywhere (no_grad / inference, or nothing requires grad): the steps run
             # as they would inside the autograd function, without the function (no node to build).
+            # A CPU plan of plain differentiable steps runs the same way with autograd recording.
             # (Not under forward-mode AD: the kernels would drop the tangents; the function raises.)
             ctxs = [OperationContext() for _ in plan.ctx_flags]
+            if plan.gated is not None and plan.requires_grad:
+                gate_weights(plan.gated, ctxs, params)
             y, extra_outputs = _run_forward(self, plan, ctxs, x, extra_inputs)
             if self.num_extra_outputs == 0:
                 return y
@@ -329,6 +367,19 @@ class OperationFuser:
         if self.num_extra_outputs == 0:
             return outs[0]
         return tuple(outs)
+
+
+def _contract_weights(ops, params, counts) -> Optional[tuple]:
+    """:func:`~fusible_ops.grad.gate_weights`' ``gated`` for the trainable ``weight`` of each
+    weight-owning op (its gradient goes through the contract), or None when there is none."""
+    found, k = [], 0
+    for i, (op, c) in enumerate(zip(ops, counts)):
+        if isinstance(op, WeightGradMixin):
+            for j, n in enumerate(op.param_names()):
+                if n == "weight" and params[k + j].requires_grad:
+                    found.append((op, i, k + j))
+        k += c
+    return (tuple([f[0] for f in found]), [f[1] for f in found], [f[2] for f in found]) if found else None
 
 
 def _distinct(x: torch.Tensor, args: list) -> list:

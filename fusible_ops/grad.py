@@ -178,6 +178,51 @@ def deliver_weight_grad(op, param: torch.Tensor, compute: WgradCompute) -> Optio
     return _apply_now(op, param, compute, delayed=False, token=token)
 
 
+class ContractGate(torch.autograd.Function):
+    """Identity on contract weights, for a CPU call that runs under PyTorch's own autograd
+    (:data:`fusible_ops.fuser.CPU_AUTOGRAD`): the ops compute with the views it returns
+    (``ctx.gated_weight``), so each weight's gradient, computed by autograd, passes through
+    :func:`deliver_weight_grad` in backward (main_grad, the flag and dummy, delayed weight
+    gradients, :func:`delayed_wgrad` around the backward) exactly as the ops' own backward
+    delivers it. The delivery adds the computed gradient (``compute(out, accumulate)`` adds or
+    copies it into ``out``)."""
+
+    @staticmethod
+    def forward(ctx, ops, *weights):
+        ctx.ops, ctx.weights = ops, weights  # (parameters, not saved activations)
+        return tuple([w.view_as(w) for w in weights])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = [None]
+        for op, w, g in zip(ctx.ops, ctx.weights, grads):
+            out.append(None if g is None else deliver_weight_grad(op, w, _computed(g)))
+        return tuple(out)
+
+
+def _computed(g: torch.Tensor) -> WgradCompute:
+    """A :data:`WgradCompute` for a gradient already computed."""
+    def compute(out, accumulate):
+        if out is None:
+            return g
+        return out.add_(g) if accumulate else out.copy_(g)
+    return compute
+
+
+def gate_weights(gated: tuple, ctxs: list, params: list) -> None:
+    """Route the plan's contract weights through :class:`ContractGate` (eager, grad mode):
+    ``gated`` = (ops, their basic-op indices, their weights' indices in ``params``); each op's
+    ctx gets its view as ``ctx.gated_weight``."""
+    ops, idx, pidx = gated
+    views = _GATE_APPLY(ops, *[params[k] for k in pidx])
+    for i, v in zip(idx, views):
+        ctxs[i].gated_weight = v
+
+
+# (autograd.Function.apply minus its Python preamble, as the fuser's eager calls use it)
+_GATE_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, ContractGate)
+
+
 class WeightGradMixin:
     """Adds the contract's flags, ``backward_dw`` and wgrad hooks to a weight-owning op.
 

@@ -55,7 +55,13 @@ class OperationContext:
       its parameters requires grad.
 
     Ops may set any other attribute they need in backward.
+
+    ``gated_weight``: on a CPU call under PyTorch's autograd, the view of a weight-owning op's
+    contract weight that the op must compute with (see :class:`fusible_ops.grad.ContractGate`);
+    None otherwise.
     """
+
+    gated_weight: Optional[torch.Tensor] = None
 
     def __init__(self, requires_grad: bool = False, input_requires_grad: bool = False,
                  weight_requires_grad: bool = False) -> None:
@@ -81,6 +87,15 @@ class FusibleOperation(torch.nn.Module):
     """Common interface of basic and fused ops."""
 
     state_version: int = 0  # bumped by every attribute assignment (part of the plan key)
+
+    cpu_autograd: bool = False
+    """True when, on CPU, this op's ``fuser_forward`` is plain differentiable PyTorch whose autograd
+    gradients (of the input, extra inputs and parameters) are what its backward computes, and
+    its outputs do not depend on the ctx flags. A CPU training call whose forward steps are all
+    such ops then runs under PyTorch's own autograd (:data:`fusible_ops.fuser.CPU_AUTOGRAD`): no
+    autograd function, no ``fuser_backward``. A :class:`~fusible_ops.grad.WeightGradMixin` op that
+    sets it computes with ``ctx.gated_weight`` when that is set (its trainable ``weight`` goes
+    through :class:`~fusible_ops.grad.ContractGate`, which keeps the gradient contract)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)

@@ -8,6 +8,7 @@ import torch
 
 from .quantization.recipes import current_recipe
 from .quantization.report import fp8_lines
+from . import fuser as _fuser
 from .fuser import OperationFuser
 from .op import BasicOperation, FusibleOperation
 from .rules import RuleSet
@@ -346,6 +347,9 @@ class Sequential(torch.nn.Module):
                 if pass_ == "backward" and not plan.requires_grad:
                     lines.append("  (no backward: nothing requires grad)")
                     continue
+                if pass_ == "backward" and plan.cpu_autograd and _fuser.CPU_AUTOGRAD:
+                    lines.append("  (CPU: PyTorch's autograd differentiates the forward steps; the groups below "
+                                 "run under fusible_ops.fuser.cpu_autograd(False))")
                 for g in groups:
                     idx = [i + offset for i in g.indices]
                     what = f"rule {g.rule!r} -> {type(g.op).__name__}" if g.rule else "unfused"

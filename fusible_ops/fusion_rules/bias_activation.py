@@ -52,6 +52,7 @@ class ForwardLinearBiasActivation(FusedOperation):
     linear's FP8 input itself (:meth:`~fusible_ops.quantization.InputQuantizer.produce`)."""
 
     writes_fp8_output = True
+    cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
 
     def __init__(self, ops) -> None:
         super().__init__(ops)

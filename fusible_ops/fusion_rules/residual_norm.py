@@ -21,6 +21,7 @@ class ForwardAddNorm(FusedOperation):
     """Residual add + norm in one kernel (which also writes a following FP8 linear's input)."""
 
     writes_fp8_output = True
+    cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
 
     def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
         add, norm = self.basic_ops[0], self.basic_ops[-1]

@@ -100,7 +100,13 @@ def act_ref(z: torch.Tensor, name: str) -> torch.Tensor:
     vectorized float32 CPU kernel gives NaN there)."""
     if name == "gelu":
         y = F.gelu(z)
-        return torch.where(torch.isposinf(z), z, y) if z.dtype == torch.float32 and not z.is_cuda else y
+        if z.dtype == torch.float32 and not z.is_cuda:
+            inf = torch.isposinf(z)
+            # (eager on CPU, the test costs no device sync and spares the common case the where
+            # and its backward; traced, no data-dependent branch)
+            if torch.compiler.is_compiling() or inf.any():
+                y = torch.where(inf, z, y)
+        return y
     if name == "silu":
         return F.silu(z)
     if name == "gelu_tanh":

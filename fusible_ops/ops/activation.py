@@ -26,6 +26,7 @@ class Activation(BasicOperation):
     """Base class of the elementwise activations. ``kind`` names the kernel's activation."""
 
     kind: str = ""
+    cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
     gated: bool = False
 
     def check_input(self, x: torch.Tensor) -> None:
@@ -162,6 +163,7 @@ class ScaledSwiGLU(BasicOperation):
 
     num_extra_inputs = 1
     kind = "scaled_swiglu"
+    cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
     gated = True
 
     @classmethod

@@ -29,6 +29,7 @@ class BasicLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
     """
 
     accepts_fp8 = True  # reads a Float8Tensor input / output gradient directly
+    cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
 
     def __init__(
         self,
@@ -76,7 +77,9 @@ class BasicLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
     def fprop(self, ctx, x: torch.Tensor, bias=None) -> torch.Tensor:
         """Checked ``x @ weight.T (+ bias)`` with the ctx filled for this op's backward (FP8
         under an active recipe, the bias then added after the GEMM). The piece fused ops call."""
-        w = self.weight
+        w = ctx.gated_weight  # (a CPU call under PyTorch's autograd: see ContractGate)
+        if w is None:
+            w = self.weight
         check_input(self, x, features=self.in_features, like=w)
         recipe = current_recipe()
         if recipe is not None:
@@ -128,6 +131,8 @@ class BasicLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
 class Bias(BasicOperation):
     """``y = x + bias`` over the last dim; ``bias`` [size]. Its gradient always goes through
     autograd; a frozen bias costs no reduction."""
+
+    cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
 
     def __init__(self, size: int, *, device=None, dtype=None) -> None:
         super().__init__()

@@ -12,6 +12,7 @@ class AddExtraInput(BasicOperation):
     """``y = x + extra`` (a residual add); ``extra`` is an extra input of x's shape and dtype."""
 
     num_extra_inputs = 1
+    cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
 
     @classmethod
     def _example(cls, n: int, **factory):
@@ -33,6 +34,7 @@ class MakeExtraOutput(BasicOperation):
     """Passes ``x`` through and also returns it as an extra output (e.g. the residual stream)."""
 
     num_extra_outputs = 1
+    cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
 
     @classmethod
     def _example(cls, n: int, **factory):
@@ -53,6 +55,7 @@ class MakeExtraOutput(BasicOperation):
 
 class ConstantScale(BasicOperation):
     """``y = x * scale`` for a Python number ``scale``."""
+    cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
 
     def __init__(self, scale: float) -> None:
         super().__init__()
@@ -92,6 +95,8 @@ class Dropout(BasicOperation):
     forward (decides whether dropout is active, draws the seed, saves it in ctx) and
     :meth:`seed_of` in backward.
     """
+
+    cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
 
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()
@@ -170,6 +175,7 @@ class Dropout(BasicOperation):
 
 class Reshape(BasicOperation):
     """``y = x.reshape(shape)`` (``-1`` allowed)."""
+    cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
 
     def __init__(self, shape) -> None:
         super().__init__()
@@ -191,6 +197,7 @@ class Reshape(BasicOperation):
 
 class Identity(BasicOperation):
     """``y = x``."""
+    cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
 
     @classmethod
     def _example(cls, n: int, **factory):

@@ -44,6 +44,7 @@ class _Norm(BasicOperation):
         check_input(self, x, features=self.size, like=self.weight, same_dtype=False)
 
     writes_fp8_output = True  # serves a following FP8 linear from its own kernel (see norm_forward)
+    cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
     _IS_RMS = False
 
     def norm_forward(self, ctx, x: torch.Tensor, residual=None, quant=None):

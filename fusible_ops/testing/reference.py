@@ -13,6 +13,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
+from ..fuser import cpu_autograd
 from ..ops.moe import record_routing
 from .tolerances import BASELINE_ATOL, BASELINE_FACTOR, BASELINE_SAMPLES, TOLERANCES
 
@@ -385,6 +386,8 @@ def assert_matches_reference(
       over one row in fp16), but one much worse than it fails. A non-finite result fails,
       except where the ideal-kernel run is non-finite too (exact intermediate results that do
       not fit the dtype, e.g. fp16 overflow). ``baseline=False``: table only, no exception.
+    * On CPU the run takes the ops' own backward (:func:`fusible_ops.fuser.cpu_autograd` off),
+      not PyTorch's autograd of their forward: the fused backward is what gets checked.
     * Random ops (dropout) draw the same seeds (``torch.manual_seed(seed)``) in every run.
     * MoE routing: the reference's Routers take the experts the run chose (so rounding upstream
       of a Router cannot flip a near-tied top-k choice), after checking that they are a top-k of
@@ -422,7 +425,7 @@ def assert_matches_reference(
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        with record_routing() as routing_log:
+        with record_routing() as routing_log, cpu_autograd(False):  # (CPU: the ops' own backward)
             outs = _as_list(seq(*run_in))
     dtype = outs[0].dtype
     routing = (routing_log, TOLERANCES[dtype]) if routing_log else None

@@ -1,0 +1,245 @@
+"""CPU calls under PyTorch's own autograd (``fusible_ops.fuser.CPU_AUTOGRAD``).
+
+A CPU training call whose forward steps are all ``cpu_autograd`` ops runs the forward steps with
+autograd recording (no autograd function, no ``fuser_backward``); trainable linear weights pass
+through ``ContractGate``, which keeps the gradient contract. These tests hold: the same outputs and gradients as the ops' own backward
+(``cpu_autograd(False)``) for every op and fused op that opts in, in float64; that the path is
+really taken (and really not taken where it must not be); and that the plan is unchanged.
+"""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fusible_ops as fo
+from fusible_ops import fuser as fuser_mod
+from fusible_ops.grad import WeightGradMixin
+from fusible_ops.kernels import use
+from fusible_ops.testing import assert_close
+from fusible_ops.testing.strategies import chains, leading_shapes
+
+F64 = torch.float64
+
+
+def _through_function(y) -> bool:
+    """Whether ``y`` came out of the fuser's autograd function."""
+    return "FuserFunction" in type(y.grad_fn).__name__
+
+
+def _run(seq, inputs, seed=7):
+    """Outputs, and gradients (inputs, then parameters by name) for fixed output gradients."""
+    xs = [t.detach().clone().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in inputs]
+    for p in seq.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    out = seq(*xs)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    g = torch.Generator().manual_seed(3)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=F64).to(o.dtype)).sum() for o in outs)
+    loss.backward()
+    grads = [x.grad for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+    grads += [p.grad for _, p in sorted(seq.named_parameters()) if p.requires_grad]
+    return outs, grads, _through_function(outs[0])
+
+
+def _compare(seq, inputs, dtype=F64):
+    """Default (native) run against ``cpu_autograd(False)``; returns whether the default run
+    went native."""
+    outs, grads, fn_default = _run(seq, inputs)
+    with fuser_mod.cpu_autograd(False):
+        ref_outs, ref_grads, fn_off = _run(seq, inputs)
+    assert fn_off, "cpu_autograd(False) must run the fuser's autograd function"
+    assert len(outs) == len(ref_outs) and len(grads) == len(ref_grads)
+    for a, e in zip(outs, ref_outs):
+        assert_close(a, e, dtype, msg="output")
+    for i, (a, e) in enumerate(zip(grads, ref_grads)):
+        assert (a is None) == (e is None), f"gradient {i}: one path lost it"
+        if a is not None:
+            assert_close(a, e, dtype, msg=f"gradient {i}")
+    return not fn_default
+
+
+def _x(*shape, rg=True, dtype=F64):
+    return torch.randn(*shape, dtype=dtype).requires_grad_(rg)
+
+
+def _frozen_linear(n, m, dtype):
+    lin = fo.Linear(n, m, dtype=dtype)
+    lin.weight.requires_grad_(False)  # PEFT: no weight-gradient work, nothing under the contract
+    return lin
+
+
+CASES = {  # name -> (make(dtype) -> (Sequential, inputs), rule expected in the forward plan or None)
+    "swiglu": (lambda d: (fo.Sequential(fo.SwiGLU()), (_x(5, 8, dtype=d),)), None),
+    "geglu": (lambda d: (fo.Sequential(fo.GEGLU()), (_x(5, 8, dtype=d),)), None),
+    "reglu": (lambda d: (fo.Sequential(fo.ReGLU()), (_x(5, 8, dtype=d),)), None),
+    "gelu_tanh": (lambda d: (fo.Sequential(fo.GELU("tanh")), (_x(2, 3, 6, dtype=d),)), None),
+    "relu_silu": (lambda d: (fo.Sequential(fo.ReLU(), fo.SiLU()), (_x(5, 6, dtype=d),)), None),
+    "scaled_swiglu": (lambda d: (fo.Sequential(fo.ScaledSwiGLU()), (_x(5, 8, dtype=d), _x(5, dtype=d))), None),
+    "residual_rmsnorm": (lambda d: (fo.Sequential(fo.AddExtraInput(), fo.RMSNorm(6, dtype=d)),
+                                    (_x(4, 6, dtype=d), _x(4, 6, dtype=d))), "residual_norm"),
+    "residual_extra_layernorm": (lambda d: (fo.Sequential(fo.AddExtraInput(), fo.MakeExtraOutput(),
+                                                          fo.LayerNorm(6, dtype=d)),
+                                            (_x(4, 6, dtype=d), _x(4, 6, dtype=d))), "residual_extra_norm"),
+    "norms": (lambda d: (fo.Sequential(fo.LayerNorm(6, dtype=d), fo.RMSNorm(6, dtype=d)), (_x(3, 6, dtype=d),)),
+              None),
+    "bias_gelu_dropout": (lambda d: (fo.Sequential(fo.Bias(6, dtype=d), fo.GELU(), fo.Dropout(0.25)),
+                                     (_x(5, 6, dtype=d),)), "bias_activation_dropout"),
+    "frozen_linear_silu": (lambda d: (fo.Sequential(_frozen_linear(6, 8, d), fo.SiLU()), (_x(5, 6, dtype=d),)),
+                           "linear_bias_activation"),
+    "scale_reshape_identity": (lambda d: (fo.Sequential(fo.ConstantScale(0.5), fo.Reshape((-1, 4)), fo.Identity(),
+                                                        fo.Dropout(0.3)), (_x(3, 8, dtype=d),)), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_native_matches_own_backward(name):
+    make, rule = CASES[name]
+    torch.manual_seed(0)
+    seq, inputs = make(F64)
+    with torch.no_grad():
+        for p in seq.parameters():
+            p.uniform_(0.5, 1.5)
+    assert _compare(seq, inputs), f"{name}: the default CPU call did not run under PyTorch's autograd"
+    if rule is not None:  # the plan is the same either way: the fusion happened
+        assert rule in [g["rule"] for g in seq.fusion_plan()]
+
+
+@pytest.mark.parametrize("name", ["residual_rmsnorm", "swiglu", "bias_gelu_dropout"])
+def test_native_float32_against_float64(name):
+    """fp32 native run against the float64 run of the ops' own backward (table tolerance)."""
+    make, _ = CASES[name]
+    torch.manual_seed(0)
+    seq32, in32 = make(torch.float32)
+    torch.manual_seed(0)
+    seq64, in64 = make(F64)
+    seq64.load_state_dict({k: v.to(F64) for k, v in seq32.state_dict().items()})
+    in64 = [t.detach().to(F64).requires_grad_(t.requires_grad) for t in in32]
+    outs, grads, fn = _run(seq32, in32)
+    assert not fn
+    with fuser_mod.cpu_autograd(False):
+        ref_outs, ref_grads, _ = _run(seq64, in64)
+    for a, e in zip(outs + grads, ref_outs + ref_grads):
+        assert_close(a, e, torch.float32)
+
+
+def _contract_run(native: bool, mode: str):
+    """Three micro-batches through Linear -> GELU -> Linear under one gradient-contract mode;
+    returns what the contract says must hold afterwards, per weight."""
+    torch.manual_seed(0)
+    main = mode in ("main_grad", "main_grad_flag")
+    seq = fo.Sequential(fo.Linear(6, 5, dtype=F64, accumulate_into_main_grad=main,
+                                  delay_wgrad_compute=(mode == "delay_flag")),
+                        fo.GELU(), fo.Linear(5, 4, dtype=F64, accumulate_into_main_grad=main))
+    weights = [seq[0].weight, seq[2].weight]
+    for w in weights:
+        if main:
+            w.main_grad = torch.zeros_like(w)
+        if mode == "main_grad_flag":
+            w.grad_added_to_main_grad = False
+    seen, x = [], _x(3, 6)
+    with fuser_mod.cpu_autograd(native):
+        for i in range(3):
+            y = seq(x * (i + 1))
+            assert _through_function(y) != native
+            if mode == "delayed":
+                with fo.delayed_wgrad():
+                    y.backward(torch.ones_like(y))
+                seen.append([(w.grad is None, getattr(w, "skip_backward_post_hook", False)) for w in weights])
+                fo.flush_wgrad()
+            else:
+                y.backward(torch.ones_like(y))
+                if mode == "delay_flag":
+                    seen.append([w.grad is None for w in weights])
+                    seq.backward_dw()
+            if mode == "main_grad_flag":
+                seen.append([w.grad_added_to_main_grad for w in weights])
+    state = [getattr(w, "main_grad", None) if main else w.grad for w in weights]
+    grads = [w.grad for w in weights]
+    return seen, state, grads, seq[0].bias.grad, x.grad
+
+
+@pytest.mark.parametrize("mode", ["plain", "main_grad", "main_grad_flag", "delayed", "delay_flag"])
+def test_contract_weights_under_native_autograd(mode):
+    """Trainable linear weights go native through ContractGate: main_grad accumulation over three
+    micro-batches, the flag and dummy, delayed_wgrad() around the backward, and the op flag give
+    what the ops' own backward gives."""
+    seen, state, grads, bgrad, xgrad = _contract_run(True, mode)
+    ref_seen, ref_state, ref_grads, ref_bgrad, ref_xgrad = _contract_run(False, mode)
+    assert seen == ref_seen
+    if mode == "delayed":
+        assert seen[0] == [(True, True), (True, True)]  # nothing in .grad until the first flush
+        assert all(skip for batch in seen for _, skip in batch)  # pending work: hooks told to skip
+    for a, e in zip(state + [bgrad, xgrad], ref_state + [ref_bgrad, ref_xgrad]):
+        assert_close(a, e, F64)
+    for a, e in zip(grads, ref_grads):  # .grad: None, the dummy, or the gradient, as the table says
+        assert (a is None) == (e is None)
+        if mode == "main_grad_flag":
+            assert a.shape == e.shape
+        elif a is not None:
+            assert_close(a, e, F64)
+
+
+def test_frozen_weight_gets_no_gradient():
+    seq = fo.Sequential(fo.Linear(6, 6, dtype=F64), fo.GELU())
+    seq[0].weight.requires_grad_(False)
+    x = _x(3, 6)
+    y = seq(x)
+    assert not _through_function(y)
+    assert seq._only._plans[seq._only.last_key].gated is None  # no gate: no weight-gradient work
+    y.sum().backward()
+    assert seq[0].weight.grad is None and seq[0].bias.grad is not None
+
+
+def test_switch_interpreter_and_no_grad():
+    seq = fo.Sequential(fo.AddExtraInput(), fo.RMSNorm(6, dtype=F64))
+    x, r = _x(3, 6), _x(3, 6)
+    assert not _through_function(seq(x, r))
+    with fuser_mod.cpu_autograd(False):
+        assert _through_function(seq(x, r))
+    assert fuser_mod.CPU_AUTOGRAD  # restored
+    with use("reference"):
+        assert not _through_function(seq(x, r))
+    with torch.no_grad():
+        assert seq(x, r).grad_fn is None
+    text = seq.explain()
+    assert "PyTorch's autograd differentiates the forward steps" in text
+    with fuser_mod.cpu_autograd(False):
+        assert "PyTorch's autograd differentiates" not in seq.explain()
+
+
+def test_op_not_opted_in_keeps_the_function():
+    """An op without ``cpu_autograd`` (here a user's op) keeps the whole call on the function."""
+
+    class Twice(fo.BasicOperation):
+        def op_forward(self, ctx, x, **kwargs):
+            return x * 2
+
+        def op_backward(self, ctx, dy):
+            return dy * 2, ()
+
+    seq = fo.Sequential(fo.SiLU(), Twice())
+    x = _x(3, 4)
+    y = seq(x)
+    assert _through_function(y)
+    y.sum().backward()
+    assert_close(x.grad, torch.autograd.grad(2 * torch.nn.functional.silu(x).sum(), x)[0])
+
+
+@given(chain=chains(max_len=4), lead=leading_shapes(), seed=st.integers(0, 2**16), freeze=st.booleans())
+def test_property_native_matches_own_backward(chain, lead, seed, freeze):
+    """Random chains of built-in ops (float64), with the contract weights frozen or not: the
+    default run matches the ops' own backward, and runs natively exactly when every forward
+    step opts in."""
+    seq = chain.build(F64, seed=seed)
+    contract = [op for op in seq.basic_ops() if isinstance(op, WeightGradMixin)]
+    if freeze:
+        for op in contract:
+            op.weight.requires_grad_(False)
+    inputs = chain.inputs(lead, F64, seed=seed)
+    native = _compare(seq, inputs)
+    fuser = getattr(seq, "_only", None)
+    if isinstance(fuser, fuser_mod.OperationFuser):  # (one fuser: no module boundary in the chain)
+        plan = fuser._plans[fuser.last_key]
+        assert native == all(g.op.cpu_autograd for g in plan.forward)
