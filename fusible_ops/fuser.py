@@ -27,7 +27,7 @@ import torch.autograd.forward_ad as _forward_ad
 from torch.nn.utils import parametrize
 
 from .fuser_routing import RoutedSteps, routing_layout
-from .grad import WeightGradMixin, check_flagged_ops, gate_weights
+from .grad import check_flagged_ops, contract_weights, gate_weights
 from .kernels import current_mode
 from .op import BasicOperation, OperationContext
 from .quantization.recipes import current_recipe
@@ -287,7 +287,7 @@ class OperationFuser:
             param_keep=tuple([requires_grad and p.requires_grad for p in params]),
             cpu_autograd=(requires_grad and x.device.type == "cpu" and self._routing is None
                           and base["recipe"] is None and all(g.op.cpu_autograd for g in fwd)),
-            gated=_contract_weights(ops, params, self._param_counts),
+            gated=contract_weights(ops, params, self._param_counts),
             op_kwargs=[
                 {
                     "next_op_input_quantizer": (_input_quantizer(ops[i + 1], requires_grad and op_trainable[i + 1])
@@ -367,19 +367,6 @@ class OperationFuser:
         if self.num_extra_outputs == 0:
             return outs[0]
         return tuple(outs)
-
-
-def _contract_weights(ops, params, counts) -> Optional[tuple]:
-    """:func:`~fusible_ops.grad.gate_weights`' ``gated`` for the trainable ``weight`` of each
-    weight-owning op (its gradient goes through the contract), or None when there is none."""
-    found, k = [], 0
-    for i, (op, c) in enumerate(zip(ops, counts)):
-        if isinstance(op, WeightGradMixin):
-            for j, n in enumerate(op.param_names()):
-                if n == "weight" and params[k + j].requires_grad:
-                    found.append((op, i, k + j))
-        k += c
-    return (tuple([f[0] for f in found]), [f[1] for f in found], [f[2] for f in found]) if found else None
 
 
 def _distinct(x: torch.Tensor, args: list) -> list:

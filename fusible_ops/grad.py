@@ -219,6 +219,20 @@ def gate_weights(gated: tuple, ctxs: list, params: list) -> None:
         ctxs[i].gated_weight = v
 
 
+def contract_weights(ops, params, counts) -> Optional[tuple]:
+    """:func:`gate_weights`' ``gated`` for the trainable ``weight`` of each :class:`WeightGradMixin`
+    op among ``ops`` (``params``: their parameters, ``counts`` per op, flat), or None when there
+    is none (computed once per plan)."""
+    found, k = [], 0
+    for i, (op, c) in enumerate(zip(ops, counts)):
+        if isinstance(op, WeightGradMixin):
+            for j, n in enumerate(op.param_names()):
+                if n == "weight" and params[k + j].requires_grad:
+                    found.append((op, i, k + j))
+        k += c
+    return (tuple([f[0] for f in found]), [f[1] for f in found], [f[2] for f in found]) if found else None
+
+
 # (autograd.Function.apply minus its Python preamble, as the fuser's eager calls use it)
 _GATE_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, ContractGate)
 
