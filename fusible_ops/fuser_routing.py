@@ -15,13 +15,11 @@ if TYPE_CHECKING:
 
 
 def routing_layout(ops):
-    """The MoE routing layout of ``ops`` (:class:`fusible_ops.ops.moe.RoutingLayout`), or None
-    when no op has a ``routing_role`` (the common case: nothing is imported or built)."""
-    if not any(getattr(op, "routing_role", None) for op in ops):
-        return None
-    from .ops.moe import RoutingLayout  # local import: the ops import this package
+    """:func:`fusible_ops.ops.moe.routing_layout` (the MoE routing layout of ``ops``, or None when no
+    op has a ``routing_role``), imported on first use: the ops import this package."""
+    from .ops.moe import routing_layout as layout
 
-    return RoutingLayout(ops)
+    return layout(ops)
 
 
 class RoutedSteps:
