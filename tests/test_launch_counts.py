@@ -31,6 +31,10 @@ def _cases():
     yield "swiglu", fo.Sequential(fo.SwiGLU()), (x(256, 512),)
     yield "grouped_mlp", fo.Sequential(fo.GroupedLinear(4, 64, 256, bias=False, **kw), fo.SwiGLU(),
                                        fo.GroupedLinear(4, 128, 64, bias=False, **kw)), (x(16, 64), splits, splits)
+    # FC2's split sizes in a tensor of their own: one more launch (the kernel asserting they equal FC1's)
+    yield "grouped_mlp_fc2_splits", fo.Sequential(fo.GroupedLinear(4, 64, 256, bias=False, **kw), fo.SwiGLU(),
+                                                  fo.GroupedLinear(4, 128, 64, bias=False, **kw)), (x(16, 64), splits,
+                                                                                                   splits.clone())
 
 
 # (forward, backward) kernel launches, as documented in the README's fused-op table.
@@ -42,6 +46,7 @@ EXPECTED = {
     "layernorm": (1, 3),
     "swiglu": (1, 1),
     "grouped_mlp": (3, 4),
+    "grouped_mlp_fc2_splits": (4, 4),
 }
 
 

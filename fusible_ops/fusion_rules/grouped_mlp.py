@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import device_check
+from ..errors import assert_mode, device_check
 from ..grad import deliver_weight_grad
 from ..op import FusedOperation
 from ..ops.activation import GEGLU, ScaledSwiGLU, SwiGLU
 from ..ops.fp8_grouped import grouped_recipe
 from ..quantization.recipes import Float8BlockScaling
-from ..ops.grouped_linear import GroupedLinear, check_split_sizes
+from ..kernels import use_triton
+from ..kernels.persistent import splits_equal_assert
+from ..ops.grouped_linear import GroupedLinear, check_split_shape, check_split_sizes
 from ..ops.validation import check_input
 from .fp8_grouped_mlp import fp8_mlp_backward, fp8_mlp_forward
 from ..rules import match, rule
@@ -61,11 +63,7 @@ class FusedGroupedMLP(FusedOperation):
         rows, in_shape = lead.numel(), torch.Size((*lead, fc1.in_features))  # FC1's input (rows), as given
         s2 = extra_inputs[2][0]
         if not _same_tensor(s2, extra_inputs[0][0]):
-            splits2 = check_split_sizes(fc2, s2, fc2.num_groups, rows, x.device)
-            if splits2.is_cuda or torch.compiler.is_compiling():
-                device_check(fc2, (splits2 == splits).all(), splits2, "FC2 split sizes must equal FC1's (fused grouped MLP)")
-            elif not torch.equal(splits2, splits):
-                raise ValueError("fused grouped MLP: FC1 and FC2 split sizes differ")
+            _check_fc2_splits(fc2, s2, splits, rows, x.device)
         scales = None
         if scaled:
             given = extra_inputs[1][0]
@@ -141,6 +139,22 @@ def _shaped(t: torch.Tensor, shape) -> torch.Tensor:
     if len(shape) == t.dim() and (t.shape == shape or (shape[0] == -1 and t.shape[1:] == shape[1:])):
         return t
     return t.reshape(shape)
+
+
+def _check_fc2_splits(fc2, s2, splits, rows: int, device) -> None:
+    """FC2's split sizes ``s2`` (a tensor other than FC1's) must equal FC1's validated ``splits``.
+    Default device checks on CUDA: one kernel asserts the equality (sizes equal to valid sizes are
+    valid); otherwise ``s2`` is validated as FC1's were, then compared (host, or device flag)."""
+    if (splits.is_cuda and isinstance(s2, torch.Tensor) and s2.dtype == torch.int64 and s2.device == splits.device
+            and assert_mode() and not torch.compiler.is_compiling() and use_triton(s2)):
+        check_split_shape(fc2, s2, fc2.num_groups)
+        splits_equal_assert(s2, splits)
+        return
+    splits2 = check_split_sizes(fc2, s2, fc2.num_groups, rows, device)
+    if splits2.is_cuda or torch.compiler.is_compiling():
+        device_check(fc2, (splits2 == splits).all(), splits2, "FC2 split sizes must equal FC1's (fused grouped MLP)")
+    elif not torch.equal(splits2, splits):
+        raise ValueError("fused grouped MLP: FC1 and FC2 split sizes differ")
 
 
 def _same_tensor(a, b) -> bool:

@@ -196,6 +196,13 @@ if HAS_TRITON:
         tl.device_assert(_splits_valid(split_ptr, G, rows, G_P2),
                          "split sizes must be non-negative and sum to the input's rows")
 
+    @triton.jit(debug=True)
+    def _splits_equal_assert_kernel(a_ptr, b_ptr, G, G_P2: tl.constexpr):
+        gi = tl.arange(0, G_P2)
+        a = tl.load(a_ptr + gi, mask=gi < G, other=0)
+        b = tl.load(b_ptr + gi, mask=gi < G, other=0)
+        tl.device_assert(tl.sum((a != b).to(tl.int32), 0) == 0, "the second split sizes must equal the first")
+
     def mn_config(bm, bn, bk, warps, stages, pps=1, flat=False):
         """A config of a tile-space kernel; ``pps`` programs per SM (read by the grid), ``flat``:
         the persistent tile loop flattened with the K loop (only for kernels with FLATTEN)."""
@@ -285,6 +292,7 @@ def check_splits(split_sizes: torch.Tensor, G: int, *tensors: torch.Tensor) -> N
 
 _SPLITS_OK = DirectKernel(_splits_ok_kernel) if HAS_TRITON else None
 _SPLITS_ASSERT = DirectKernel(_splits_assert_kernel) if HAS_TRITON else None
+_SPLITS_EQUAL_ASSERT = DirectKernel(_splits_equal_assert_kernel) if HAS_TRITON else None
 
 
 def _splits_key(split_sizes: torch.Tensor, rows: int) -> tuple:
@@ -312,6 +320,14 @@ def splits_assert(split_sizes: torch.Tensor, rows: int) -> None:
     _SPLITS_ASSERT((1,), _splits_key(split_sizes, rows), (split_sizes, G, rows), dict(G_P2=group_p2(G)))
 
 
+def splits_equal_assert(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Assert on the device that two int64 split-size tensors of one length hold the same values:
+    one launch, no output, no host sync (``device_check((a == b).all(), ...)`` takes three launches
+    and two allocations). A failure is a device-side assert, as in :func:`splits_assert`."""
+    G = a.shape[0]
+    _SPLITS_EQUAL_ASSERT((1,), (a.device, a.dtype, b.dtype, G), (a, b, G), dict(G_P2=group_p2(G)))
+
+
 def same_dtype(a: torch.Tensor, b: torch.Tensor) -> None:
     """GEMM operands must share a dtype."""
     if a.dtype != b.dtype:
@@ -319,5 +335,5 @@ def same_dtype(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 __all__ = ["INTERP_MN", "INTERP_PROGS", "INTERP_WG", "check_splits", "group_p2", "persistent_grid", "same_dtype",
-           "splits_assert", "splits_ok", "tma_ok"] + (["group_rows", "group_table", "locate_tile", "mainloop", "mn_config", "operand_descs", "pick", "split_cols",
+           "splits_assert", "splits_equal_assert", "splits_ok", "tma_ok"] + (["group_rows", "group_table", "locate_tile", "mainloop", "mn_config", "operand_descs", "pick", "split_cols",
                          "tile_coords", "tile_space", "wgrad_config", "wgrad_store", "wgrad_tile"] if HAS_TRITON else [])

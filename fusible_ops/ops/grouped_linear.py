@@ -17,6 +17,20 @@ from .fp8_grouped import fp8_grouped_backward, fp8_grouped_forward, grouped_reci
 from .validation import check_input
 
 
+def check_split_shape(op, split_sizes, num_groups: int) -> None:
+    """The host-known checks of :func:`check_split_sizes`: a 1-D integer tensor of length
+    ``num_groups`` (errors name ``op``)."""
+    name = type(op).__name__
+    if not isinstance(split_sizes, torch.Tensor):
+        raise TypeError(f"{name}: split sizes must be a 1-D int64 tensor, got {type(split_sizes).__name__}")
+    if split_sizes.dtype.is_floating_point or split_sizes.dtype.is_complex or split_sizes.dtype == torch.bool:
+        raise TypeError(f"{name}: split sizes must be an integer tensor (int64), got {split_sizes.dtype}")
+    if split_sizes.dim() != 1 or split_sizes.numel() != num_groups:
+        raise ValueError(
+            f"{name}: split sizes must have shape [{num_groups}] (one per group), got {list(split_sizes.shape)}"
+        )
+
+
 def check_split_sizes(op, split_sizes, num_groups: int, rows: int, device: torch.device) -> torch.Tensor:
     """Validate ``split_sizes`` and return it as an int64 tensor on ``device``.
 
@@ -30,14 +44,7 @@ def check_split_sizes(op, split_sizes, num_groups: int, rows: int, device: torch
     host and device tensors use the tensor assert (no data-dependent Python branch to trace).
     """
     name = type(op).__name__
-    if not isinstance(split_sizes, torch.Tensor):
-        raise TypeError(f"{name}: split sizes must be a 1-D int64 tensor, got {type(split_sizes).__name__}")
-    if split_sizes.dtype.is_floating_point or split_sizes.dtype.is_complex or split_sizes.dtype == torch.bool:
-        raise TypeError(f"{name}: split sizes must be an integer tensor (int64), got {split_sizes.dtype}")
-    if split_sizes.dim() != 1 or split_sizes.numel() != num_groups:
-        raise ValueError(
-            f"{name}: split sizes must have shape [{num_groups}] (one per group), got {list(split_sizes.shape)}"
-        )
+    check_split_shape(op, split_sizes, num_groups)
     if split_sizes.device.type == "cpu" and not torch.compiler.is_compiling():
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(

@@ -377,6 +377,41 @@ def test_gpu_bad_cuda_split_sizes_fail_by_device_assert(bad):
     assert "device-side assert" in out
 
 
+_EQUAL_CHILD = """
+import torch
+import fusible_ops as fo
+kw = dict(device="cuda", dtype=torch.bfloat16)
+seq = fo.Sequential(fo.GroupedLinear(3, 16, 32, bias=False, **kw), fo.SwiGLU(), fo.GroupedLinear(3, 16, 16, bias=False, **kw))
+x = torch.randn(12, 16, **kw)
+s1 = torch.tensor([4, 0, 8], device="cuda")
+seq(x, s1, s1.clone())  # FC2's own tensor, equal values: no assert
+torch.cuda.synchronize()
+print("GOOD", flush=True)
+seq(x, s1, torch.tensor([4, 4, 4], device="cuda"))  # valid on its own, but not FC1's sizes
+try:
+    torch.cuda.synchronize()
+    print("NO ERROR", flush=True)
+except Exception as e:
+    print("ERROR", str(e).splitlines()[0], flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="CUDA")
+def test_gpu_fused_mlp_fc2_splits_checked_by_one_equal_assert():
+    """A fused grouped MLP given FC2 split sizes in a tensor of their own: one kernel
+    (``splits_equal_assert``) asserts on the device that they equal FC1's; different values
+    (here valid ones) fail at the next sync as a device-side assert. In a child process."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _EQUAL_CHILD], capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    assert "GOOD" in out, proc.stderr[-2000:]
+    assert "ERROR" in out and "NO ERROR" not in out, out + proc.stderr[-2000:]
+    assert "device-side assert" in out
+
+
 def test_launch_cdiv_and_next_pow2_match_triton():
     """The plain-Python grid helpers give what triton.cdiv / next_power_of_2 give."""
     import triton
