@@ -338,11 +338,13 @@ class OperationFuser:
         self.last_key = key
         if self._wgrad_flagged and plan.requires_grad:
             check_flagged_ops(self.ops, params, plan.param_counts)
-        if ((not plan.requires_grad or (plan.cpu_autograd and CPU_AUTOGRAD and current_mode() != "triton"))
+        if ((not plan.requires_grad or (plan.cpu_autograd and CPU_AUTOGRAD and type(x) is not Float8Tensor
+                                        and current_mode() != "triton"))
                 and _forward_ad._current_level < 0 and not _is_compiling() and not _transforms_active()):
             # No gradient anywhere (no_grad / inference, or nothing requires grad): the steps run
             # as they would inside the autograd function, without the function (no node to build).
-            # A CPU plan of plain differentiable steps runs the same way with autograd recording.
+            # A CPU plan of plain differentiable steps runs the same way with autograd recording
+            # (not for an FP8 input: its dequantization is not differentiable).
             # (Not under forward-mode AD: the kernels would drop the tangents; the function raises.)
             ctxs = [OperationContext() for _ in plan.ctx_flags]
             if plan.gated is not None and plan.requires_grad:

@@ -209,6 +209,20 @@ def test_switch_interpreter_and_no_grad():
         assert "PyTorch's autograd differentiates" not in seq.explain()
 
 
+def test_fp8_input_keeps_the_function():
+    """A Float8Tensor input that requires grad: its dequantization is not differentiable, so the
+    call keeps the autograd function, which routes the input's gradient."""
+    from fusible_ops.quantization import Float8CurrentScaling
+    from fusible_ops.quantization.casting import quantize
+
+    seq = fo.Sequential(fo.SwiGLU())
+    xq = quantize(torch.randn(4, 8), Float8CurrentScaling(), "input").requires_grad_()
+    y = seq(xq)
+    assert _through_function(y)
+    y.sum().backward()
+    assert xq.grad is not None and xq.grad.shape == (4, 8)
+
+
 def test_op_not_opted_in_keeps_the_function():
     """An op without ``cpu_autograd`` (here a user's op) keeps the whole call on the function."""
 
