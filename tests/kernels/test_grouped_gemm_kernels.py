@@ -341,21 +341,31 @@ def test_splits_ok_kernel(sizes, rows, ok):
     assert got.dtype == torch.bool and got.dim() == 0 and bool(got) is ok
 
 
-_ASSERT_CHILD = """
-import sys, torch
-import fusible_ops as fo
-op = fo.GroupedLinear(3, 16, 16, device="cuda", dtype=torch.bfloat16)
-x = torch.randn(12, 16, device="cuda", dtype=torch.bfloat16)
-op(x, torch.tensor([4, 0, 8], device="cuda"))  # good sizes: no assert
+_SYNC_REPORT = """
 torch.cuda.synchronize()
 print("GOOD", flush=True)
-op(x, torch.tensor({bad}, device="cuda"))
+{bad_call}
 try:
     torch.cuda.synchronize()
     print("NO ERROR", flush=True)
 except Exception as e:
     print("ERROR", str(e).splitlines()[0], flush=True)
 """
+
+
+def _assert_in_child(setup: str, good_call: str, bad_call: str) -> None:
+    """Run ``setup``, ``good_call`` (must not assert) and ``bad_call`` in a child process (a
+    device-side assert ends the CUDA context); the bad call must fail at the next sync as a
+    device-side assert."""
+    import subprocess
+    import sys
+
+    code = f"import torch\nimport fusible_ops as fo\n{setup}\n{good_call}\n" + _SYNC_REPORT.format(bad_call=bad_call)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    assert "GOOD" in out, proc.stderr[-2000:]
+    assert "ERROR" in out and "NO ERROR" not in out, out + proc.stderr[-2000:]
+    assert "device-side assert" in out
 
 
 @pytest.mark.gpu
@@ -364,36 +374,11 @@ except Exception as e:
 def test_gpu_bad_cuda_split_sizes_fail_by_device_assert(bad):
     """Default ("assert") device checks: CUDA split sizes are checked by ONE kernel that asserts
     on the device (no bool output, no ``_assert_async``); a bad size (negative, or a sum that is
-    not the rows) fails at the next sync as a device-side assert. In a child process: the assert
-    ends the CUDA context."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", _ASSERT_CHILD.format(bad=bad)], capture_output=True, text=True,
-                          timeout=300)
-    out = proc.stdout
-    assert "GOOD" in out, proc.stderr[-2000:]
-    assert "ERROR" in out and "NO ERROR" not in out, out + proc.stderr[-2000:]
-    assert "device-side assert" in out
-
-
-_EQUAL_CHILD = """
-import torch
-import fusible_ops as fo
-kw = dict(device="cuda", dtype=torch.bfloat16)
-seq = fo.Sequential(fo.GroupedLinear(3, 16, 32, bias=False, **kw), fo.SwiGLU(), fo.GroupedLinear(3, 16, 16, bias=False, **kw))
-x = torch.randn(12, 16, **kw)
-s1 = torch.tensor([4, 0, 8], device="cuda")
-seq(x, s1, s1.clone())  # FC2's own tensor, equal values: no assert
-torch.cuda.synchronize()
-print("GOOD", flush=True)
-seq(x, s1, torch.tensor([4, 4, 4], device="cuda"))  # valid on its own, but not FC1's sizes
-try:
-    torch.cuda.synchronize()
-    print("NO ERROR", flush=True)
-except Exception as e:
-    print("ERROR", str(e).splitlines()[0], flush=True)
-"""
+    not the rows) fails at the next sync as a device-side assert."""
+    _assert_in_child('op = fo.GroupedLinear(3, 16, 16, device="cuda", dtype=torch.bfloat16)\n'
+                     'x = torch.randn(12, 16, device="cuda", dtype=torch.bfloat16)',
+                     'op(x, torch.tensor([4, 0, 8], device="cuda"))',  # good sizes
+                     f'op(x, torch.tensor({bad}, device="cuda"))')
 
 
 @pytest.mark.gpu
@@ -401,15 +386,13 @@ except Exception as e:
 def test_gpu_fused_mlp_fc2_splits_checked_by_one_equal_assert():
     """A fused grouped MLP given FC2 split sizes in a tensor of their own: one kernel
     (``splits_equal_assert``) asserts on the device that they equal FC1's; different values
-    (here valid ones) fail at the next sync as a device-side assert. In a child process."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", _EQUAL_CHILD], capture_output=True, text=True, timeout=300)
-    out = proc.stdout
-    assert "GOOD" in out, proc.stderr[-2000:]
-    assert "ERROR" in out and "NO ERROR" not in out, out + proc.stderr[-2000:]
-    assert "device-side assert" in out
+    (here valid ones) fail at the next sync as a device-side assert."""
+    _assert_in_child('kw = dict(device="cuda", dtype=torch.bfloat16)\n'
+                     'seq = fo.Sequential(fo.GroupedLinear(3, 16, 32, bias=False, **kw), fo.SwiGLU(), '
+                     'fo.GroupedLinear(3, 16, 16, bias=False, **kw))\n'
+                     'x = torch.randn(12, 16, **kw)\ns1 = torch.tensor([4, 0, 8], device="cuda")',
+                     'seq(x, s1, s1.clone())',  # FC2's own tensor, equal values
+                     'seq(x, s1, torch.tensor([4, 4, 4], device="cuda"))')  # valid alone, not FC1's
 
 
 def test_launch_cdiv_and_next_pow2_match_triton():
