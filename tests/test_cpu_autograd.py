@@ -257,3 +257,35 @@ def test_property_native_matches_own_backward(chain, lead, seed, freeze):
     if isinstance(fuser, fuser_mod.OperationFuser):  # (one fuser: no module boundary in the chain)
         plan = fuser._plans[fuser.last_key]
         assert native == all(g.op.cpu_autograd for g in plan.forward)
+
+
+def test_checkpoint_double_backward_and_retain_graph():
+    """The CPU autograd path under torch's own machinery: checkpointing (dropout redraws the same
+    seed), double backward through the weight gate, and a retained graph run twice."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    seq = fo.Sequential(fo.RMSNorm(8, dtype=F64), fo.Linear(8, 16, dtype=F64), fo.SwiGLU(), fo.Dropout(0.3),
+                        fo.Linear(8, 8, dtype=F64)).train()
+    x = _x(5, 8)
+    torch.manual_seed(1)
+    y1 = seq(x)
+    assert not _through_function(y1)
+    grads1 = torch.autograd.grad(y1.sum(), [x, *seq.parameters()])
+    torch.manual_seed(1)
+    y2 = checkpoint(seq, x, use_reentrant=False)
+    grads2 = torch.autograd.grad(y2.sum(), [x, *seq.parameters()])
+    assert_close(y2, y1, F64)
+    for a, e in zip(grads2, grads1):
+        assert_close(a, e, F64)
+    # double backward: a gradient penalty on the input gradient reaches the weights
+    (gx,) = torch.autograd.grad(seq(x).sum(), x, create_graph=True)
+    gx.pow(2).sum().backward()
+    assert seq[1].weight.grad is not None and seq[1].weight.grad.abs().sum() > 0
+    # retained graph, two backwards: the weight gradient accumulates twice
+    seq.zero_grad(set_to_none=True)
+    y = seq(x)
+    y.sum().backward(retain_graph=True)
+    once = seq[1].weight.grad.clone()
+    y.sum().backward()
+    assert_close(seq[1].weight.grad, 2 * once, F64)
