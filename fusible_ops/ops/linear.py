@@ -77,7 +77,7 @@ class BasicLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
     def fprop(self, ctx, x: torch.Tensor, bias=None) -> torch.Tensor:
         """Checked ``x @ weight.T (+ bias)`` with the ctx filled for this op's backward (FP8
         under an active recipe, the bias then added after the GEMM). The piece fused ops call."""
-        w = ctx.gated_weight  # (a CPU call under PyTorch's autograd: see ContractGate)
+        w = getattr(ctx, "gated_weight", None)  # (a CPU call under PyTorch's autograd: see ContractGate)
         if w is None:
             w = self.weight
         check_input(self, x, features=self.in_features, like=w)
