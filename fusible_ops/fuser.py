@@ -79,7 +79,7 @@ class Plan:
     param_keep: tuple
     # CPU training call whose forward steps are all ``cpu_autograd`` ops: runs under PyTorch's
     # autograd (see CPU_AUTOGRAD), its contract weights through grad.gate_weights (``gated``: its
-    # arguments, or None when no trainable weight is under the contract)
+    # arguments; None for every other plan and when no trainable weight is under the contract)
     cpu_autograd: bool = False
     gated: Optional[tuple] = None
 
@@ -273,6 +273,8 @@ class OperationFuser:
         _verify(ops, fwd, "forward")
         if requires_grad:
             _verify(ops, bwd, "backward")
+        native = (requires_grad and x.device.type == "cpu" and self._routing is None and base["recipe"] is None
+                  and all(g.op.cpu_autograd for g in fwd))
         plan = Plan(
             forward=fwd,
             backward=bwd,
@@ -285,9 +287,8 @@ class OperationFuser:
             extra_keep=tuple([requires_grad and isinstance(e, torch.Tensor) and e.requires_grad
                               for e in extra_inputs]),
             param_keep=tuple([requires_grad and p.requires_grad for p in params]),
-            cpu_autograd=(requires_grad and x.device.type == "cpu" and self._routing is None
-                          and base["recipe"] is None and all(g.op.cpu_autograd for g in fwd)),
-            gated=contract_weights(ops, params, self._param_counts),
+            cpu_autograd=native,
+            gated=contract_weights(ops, params, self._param_counts) if native else None,
             op_kwargs=[
                 {
                     "next_op_input_quantizer": (_input_quantizer(ops[i + 1], requires_grad and op_trainable[i + 1])
@@ -347,7 +348,7 @@ class OperationFuser:
             # (not for an FP8 input: its dequantization is not differentiable).
             # (Not under forward-mode AD: the kernels would drop the tangents; the function raises.)
             ctxs = [OperationContext() for _ in plan.ctx_flags]
-            if plan.gated is not None and plan.requires_grad:
+            if plan.gated is not None:  # (only CPU autograd plans have one)
                 gate_weights(plan.gated, ctxs, params)
             y, extra_outputs = _run_forward(self, plan, ctxs, x, extra_inputs)
             if self.num_extra_outputs == 0:
