@@ -56,7 +56,7 @@ class OperationContext:
 
     Ops may set any other attribute they need in backward.
 
-    ``gated_weight``: on a CPU call under PyTorch's autograd, the view of a weight-owning op's
+    ``gated_weight``: on a CPU call under PyTorch's autograd, the alias of a weight-owning op's
     contract weight that the op must compute with (see :class:`fusible_ops.grad.ContractGate`);
     None otherwise.
     """
