@@ -10,11 +10,16 @@ gradients to compute (a frozen one costs no reduction).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels import norm as _K
+from ..kernels import use_triton
 from ..op import BasicOperation
 from .validation import check_input
 
+
+
+_NATIVE_DTYPES = (torch.float32, torch.float64)  # the reference math's own dtypes (no cast)
 
 
 class _Norm(BasicOperation):
@@ -53,6 +58,15 @@ class _Norm(BasicOperation):
         that linear's FP8 input, written by the norm kernel itself."""
         w = self.weight  # (each parameter read once per call: reads go through Module.__getattr__)
         bias = None if self._IS_RMS else self.bias
+        if (not ctx.requires_grad and quant is None and x.dtype in _NATIVE_DTYPES and w.dtype is x.dtype
+                and (bias is None or bias.dtype is x.dtype) and not use_triton(x, w)):
+            # Reference math that keeps no statistics (a CPU call under PyTorch's autograd, or
+            # inference): torch's own norm, same math in x's dtype (fp32, or fp64), one op where
+            # the reference formula takes six (and, under autograd, its fused backward).
+            xsum = x if residual is None else x + residual
+            if self._IS_RMS:
+                return F.rms_norm(xsum, (self.size,), w, self.eps), xsum
+            return F.layer_norm(xsum, (self.size,), w, bias, self.eps), xsum
         y, mean, rstd, xsum = self._run(x, w, bias, residual, quant)
         if ctx.requires_grad:
             ctx.save_for_backward(xsum, w, mean, rstd)
