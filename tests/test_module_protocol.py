@@ -159,6 +159,29 @@ def test_forward_hooks_on_a_fusible_op_inside_sequential_run():
     assert _rules(seq.fusion_plan())[0] == "linear_bias_activation"  # fused again without hooks
 
 
+def test_hooks_added_after_calls_run():
+    """Sequential's one-fuser fast path notices hooks registered after it was built (on a module,
+    and global module hooks) and runs them; removing them fuses again."""
+    seq = fo.Sequential(fo.Linear(4, 4), fo.GELU(), fo.Linear(4, 4))
+    seq(torch.randn(2, 4))
+    seq(torch.randn(2, 4))  # (built, the fast path set)
+    seen = []
+    handle = seq[1].register_forward_hook(lambda m, args, out: seen.append("module"))
+    seq(torch.randn(2, 4))
+    assert seen == ["module"]
+    handle.remove()
+    glob = torch.nn.modules.module.register_module_forward_hook(lambda m, args, out: seen.append(type(m).__name__))
+    try:
+        seq(torch.randn(2, 4))
+    finally:
+        glob.remove()
+    assert "GELU" in seen[1:] and "Sequential" in seen[1:]
+    seen.clear()
+    seq(torch.randn(2, 4))
+    assert seen == []
+    assert _rules(seq.fusion_plan())[0] == "linear_bias_activation"
+
+
 def test_repr_and_docstrings():
     assert repr(fo.Linear(4, 3)) == "Linear(in_features=4, out_features=3, bias=True)"
     assert "bias=False" in repr(fo.Linear(4, 3, bias=False))
