@@ -419,6 +419,10 @@ def test_bad_inputs_raise_clear_errors():
         lin(torch.randn(2, 4, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="is on meta"):
         lin(torch.randn(2, 4, device="meta"))
+    with pytest.raises(RuntimeError, match="parameters are on meta"):  # (both off CUDA: compared as devices)
+        fo.Linear(4, 3, device="meta")(torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match="extra input is on meta"):
+        fo.Sequential(fo.AddExtraInput(), fo.RMSNorm(4))(torch.randn(2, 4), torch.randn(2, 4, device="meta"))
     with pytest.raises(TypeError, match="floating-point"):
         lin(torch.ones(2, 4, dtype=torch.int64))
     with pytest.raises(ValueError, match="last dim must be even"):

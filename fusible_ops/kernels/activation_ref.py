@@ -107,6 +107,7 @@ def _has_posinf(z: torch.Tensor) -> bool:
 
 
 _INF = float("inf")
+_silu = torch._C._nn.silu
 
 
 def act_ref(z: torch.Tensor, name: str) -> torch.Tensor:
@@ -119,12 +120,24 @@ def act_ref(z: torch.Tensor, name: str) -> torch.Tensor:
             y = torch.where(torch.isposinf(z), z, y)
         return y
     if name == "silu":
-        return F.silu(z)
+        return _silu(z)  # (F.silu's body without its Python wrapper)
     if name == "gelu_tanh":
         return F.gelu(z, approximate="tanh")
     if name == "relu":
         return torch.relu(z)
     raise ValueError(f"unknown activation {name!r}; expected one of {sorted(ACT_IDS)}")
+
+
+def act_native(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``act(x)`` (gated kinds: act of the first half times the second) with torch's own ops in
+    x's dtype, for callers that need neither the kernels' fp32 math nor a dropout: the
+    :func:`bias_act_fwd_ref` math without its argument checks and casts, for float32/float64
+    x already checked (an even last dim for gated kinds). Differentiable."""
+    _, gated, base = _kind(kind)
+    if gated:
+        a, b = x.chunk(2, -1)
+        return act_ref(a, base) * b
+    return act_ref(x, base)
 
 
 def act_backward_ref(up: torch.Tensor, z: torch.Tensor, name: str) -> torch.Tensor:
@@ -221,6 +234,7 @@ def scaled_swiglu_bwd_ref(
 
 __all__ = [
     "ACTIVATIONS",
+    "act_native",
     "GATED",
     "check_bias_act",
     "check_kind",

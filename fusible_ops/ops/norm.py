@@ -10,16 +10,13 @@ gradients to compute (a frozen one costs no reduction).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels import norm as _K
 from ..kernels import use_triton
 from ..op import BasicOperation
+from .validation import NATIVE_DTYPES as _NATIVE_DTYPES
 from .validation import check_input
 
-
-
-_NATIVE_DTYPES = (torch.float32, torch.float64)  # the reference math's own dtypes (no cast)
 
 
 class _Norm(BasicOperation):
@@ -64,9 +61,10 @@ class _Norm(BasicOperation):
             # inference): torch's own norm, same math in x's dtype (fp32, or fp64), one op where
             # the reference formula takes six (and, under autograd, its fused backward).
             xsum = x if residual is None else x + residual
+            # (torch.rms_norm / torch.layer_norm: F.*'s bodies without their Python wrappers)
             if self._IS_RMS:
-                return F.rms_norm(xsum, (self.size,), w, self.eps), xsum
-            return F.layer_norm(xsum, (self.size,), w, bias, self.eps), xsum
+                return torch.rms_norm(xsum, (self.size,), w, self.eps), xsum
+            return torch.layer_norm(xsum, (self.size,), w, bias, self.eps, torch.backends.cudnn.enabled), xsum
         y, mean, rstd, xsum = self._run(x, w, bias, residual, quant)
         if ctx.requires_grad:
             ctx.save_for_backward(xsum, w, mean, rstd)

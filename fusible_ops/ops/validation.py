@@ -7,6 +7,9 @@ from typing import Optional
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+NATIVE_DTYPES = (torch.float32, torch.float64)
+"""Dtypes whose reference math runs in the input's own dtype (no casts): where an op needs no
+ctx (a CPU call under PyTorch's autograd, or inference), it may call torch's own ops directly."""
 
 
 def check_input(op, x: torch.Tensor, *, features: Optional[int] = None, like: Optional[torch.Tensor] = None,
@@ -24,7 +27,7 @@ def check_input(op, x: torch.Tensor, *, features: Optional[int] = None, like: Op
         raise ValueError(f"{type(op).__name__}: input's last dim must be {features}, got shape {list(shape)}")
     if like is not None:
         gd = x.get_device()  # (an int: cheaper than comparing devices; -1 off CUDA)
-        if gd != like.get_device() or (gd < 0 and x.device != like.device):
+        if gd != like.get_device() or (gd < 0 and _other_device(x, like)):
             raise RuntimeError(f"{type(op).__name__}: input is on {x.device} but the op's parameters are on {like.device}")
         if same_dtype and x.dtype != like.dtype:
             raise TypeError(f"{type(op).__name__}: input dtype {x.dtype} does not match parameter dtype {like.dtype}")
@@ -36,9 +39,17 @@ def check_same(op, what: str, t: torch.Tensor, x: torch.Tensor, *, shape: bool =
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: {what} must be a tensor, got {type(t).__name__}")
     gd = t.get_device()  # (as in check_input)
-    if gd != x.get_device() or (gd < 0 and t.device != x.device):
+    if gd != x.get_device() or (gd < 0 and _other_device(t, x)):
         raise RuntimeError(f"{name}: {what} is on {t.device} but the input is on {x.device}")
     if t.dtype != x.dtype:
         raise TypeError(f"{name}: {what} dtype {t.dtype} does not match input dtype {x.dtype}")
     if shape and t.shape != x.shape:
         raise ValueError(f"{name}: {what} shape {list(t.shape)} does not match input shape {list(x.shape)}")
+
+
+def _other_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors off CUDA (``get_device() == -1`` for both) are on different devices:
+    two CPU tensors without building device objects (host time), others by their devices."""
+    if a.is_cpu:
+        return not b.is_cpu
+    return a.device != b.device
