@@ -458,3 +458,17 @@ def test_empty_groups_and_zero_rows():
     assert y.shape == (0, 2)
     y.sum().backward()
     assert gl.weight.grad.abs().sum() == 0
+
+
+def test_linear_bias_activation_bad_bias_raises_clear_errors():
+    """The fused linear + bias (+ activation) forward checks the bias on every path (CPU under
+    PyTorch's autograd, inference, and the ops' own backward)."""
+    for act in ([fo.GELU()], []):
+        seq = fo.Sequential(fo.Linear(4, 3), *act)
+        seq[0].bias.data = seq[0].bias.data.double()
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad), pytest.raises(TypeError, match="Bias: input dtype"):
+                seq(torch.randn(2, 4))
+        seq[0].bias = torch.nn.Parameter(torch.zeros(3, device="meta"))
+        with pytest.raises(RuntimeError, match="parameters are on meta"):
+            seq(torch.randn(2, 4))

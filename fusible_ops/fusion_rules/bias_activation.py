@@ -23,10 +23,14 @@ import torch
 
 from ..kernels import activation as _K
 from ..kernels import use_triton
+from ..kernels.activation_ref import act_native
 from ..op import FusedOperation
 from ..ops.activation import ACTIVATION_CLASSES, Activation
 from ..ops.linear import BasicLinear, Bias
 from ..ops.misc import Dropout
+from ..ops.validation import NATIVE_DTYPES, check_input, other_device
+from ..quantization.recipes import current_recipe
+from ..quantization.tensor import Float8Tensor
 from ..rules import match, rule
 
 
@@ -62,6 +66,9 @@ class ForwardLinearBiasActivation(FusedOperation):
     def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
         r = self.roles
         (lin, li), (bias, bi), (act, ai), (drop, di) = r["linear"], r["bias"], r["act"], r["dropout"]
+        if (lin is not None and drop is None and not ctxs[0].requires_grad and x.dtype in NATIVE_DTYPES
+                and type(x) is not Float8Tensor and current_recipe() is None and not use_triton(x)):
+            return self._native(ctxs[li], x, lin, bias, act), self._no_extras
         if lin is not None:
             if act is None or not use_triton(x):  # the bias in the GEMM's epilogue (addmm)
                 bias.check_input(x, shape=(*x.shape[:-1], lin.out_features))
@@ -97,6 +104,26 @@ class ForwardLinearBiasActivation(FusedOperation):
             y = quant.produce(run, z)
         act.save_ctx(ctxs[ai], z, bias=b)
         return y, self._no_extras
+
+
+    @staticmethod
+    def _native(lctx, x, lin, bias, act):
+        """Reference math that fills no ctx (a CPU call under PyTorch's autograd, or inference),
+        float32/float64, no FP8, no dropout: ``act(x @ w.T + b)`` with torch's ops, the bias in
+        the GEMM (``addmm``), as the generic path computes it, without its ctx bookkeeping."""
+        w = lctx.gated_weight  # (set under PyTorch's autograd: see ContractGate)
+        if w is None:
+            w = lin.weight
+        check_input(lin, x, features=lin.in_features, like=w)
+        b = None
+        if bias is not None:
+            b = bias.bias
+            gd = x.get_device()
+            if (b.dtype is not x.dtype or b.shape[0] != lin.out_features or b.get_device() != gd
+                    or (gd < 0 and other_device(b, x))):
+                bias.check_input(x, shape=(*x.shape[:-1], lin.out_features))  # (raises the clear error)
+        z = torch._C._nn.linear(x, w, b)  # (F.linear)
+        return z if act is None else act_native(z, act.kind)
 
 
 class BackwardBiasActivation(FusedOperation):
