@@ -27,7 +27,7 @@ import torch.autograd.forward_ad as _forward_ad
 from torch.nn.utils import parametrize
 
 from .fuser_routing import RoutedSteps, routing_layout
-from .grad import check_flagged_ops, contract_weights, gate_weights
+from .grad import check_flagged_ops, contract_weights, gate_weights, scheduler_active, watch_plain_weights
 from .kernels import current_mode
 from .op import BasicOperation, OperationContext
 from .quantization.recipes import current_recipe
@@ -38,9 +38,11 @@ CPU_AUTOGRAD = os.environ.get("FUSIBLE_OPS_CPU_AUTOGRAD", "1") != "0"
 """Run CPU training calls under PyTorch's own autograd where every forward step allows it
 (:attr:`~fusible_ops.op.FusibleOperation.cpu_autograd`): the forward runs the plan's steps (their
 ``*_ref`` math) with autograd recording, and autograd differentiates that math, so the call costs
-about what the same ops cost as ``torch.nn`` modules. Trainable weights of linears pass through
-:class:`~fusible_ops.grad.ContractGate`, so their gradients still reach ``main_grad``, the
-delayed-wgrad queue or ``.grad`` as the gradient contract says. The plans are unchanged, but
+about what the same ops cost as ``torch.nn`` modules. Trainable weights of linears with
+``accumulate_into_main_grad`` or ``delay_wgrad_compute`` (all of them inside :func:`~fusible_ops.grad.delayed_wgrad`)
+pass through :class:`~fusible_ops.grad.ContractGate`; the others' gradients go to autograd's
+``.grad`` accumulation, which :func:`~fusible_ops.grad.delayed_wgrad` hooks while it is active. So
+gradients reach ``main_grad``, the delayed-wgrad queue or ``.grad`` as the gradient contract says. The plans are unchanged, but
 the backward plan does not run. Not inside ``kernels.use("triton")`` (Triton's interpreter runs the
 steps: nothing for autograd to record). ``FUSIBLE_OPS_CPU_AUTOGRAD=0`` (or setting this to False) sends
 every call through the fuser's autograd function and the ops' own backward, as on CUDA (tests of
@@ -78,10 +80,12 @@ class Plan:
     extra_keep: tuple
     param_keep: tuple
     # CPU training call whose forward steps are all ``cpu_autograd`` ops: runs under PyTorch's
-    # autograd (see CPU_AUTOGRAD), its contract weights through grad.gate_weights (``gated``: its
-    # arguments; None for every other plan and when no trainable weight is under the contract)
+    # autograd (see CPU_AUTOGRAD), the contract weights of flagged ops through grad.gate_weights
+    # (``gated``: its arguments), every trainable contract weight's when delayed_wgrad() is active
+    # at forward (``gated_all``); None for every other plan and when there is no such weight
     cpu_autograd: bool = False
     gated: Optional[tuple] = None
+    gated_all: Optional[tuple] = None
 
     def __post_init__(self) -> None:
         # What every call reads, computed once per plan (the host path stays short).
@@ -288,7 +292,8 @@ class OperationFuser:
                               for e in extra_inputs]),
             param_keep=tuple([requires_grad and p.requires_grad for p in params]),
             cpu_autograd=native,
-            gated=contract_weights(ops, params, self._param_counts) if native else None,
+            gated=contract_weights(ops, params, self._param_counts, flagged_only=True) if native else None,
+            gated_all=contract_weights(ops, params, self._param_counts) if native else None,
             op_kwargs=[
                 {
                     "next_op_input_quantizer": (_input_quantizer(ops[i + 1], requires_grad and op_trainable[i + 1])
@@ -299,6 +304,8 @@ class OperationFuser:
                 for i in range(len(ops))
             ],
         )
+        if plan.gated_all is not None and (plan.gated is None or len(plan.gated[0]) < len(plan.gated_all[0])):
+            watch_plain_weights(self)  # plain-mode weights left ungated: delayed_wgrad() hooks them
         if self._routing is not None:
             RoutedSteps(plan, ops, self._routing).install()
         else:
@@ -348,8 +355,11 @@ class OperationFuser:
             # (not for an FP8 input: its dequantization is not differentiable).
             # (Not under forward-mode AD: the kernels would drop the tangents; the function raises.)
             ctxs = [OperationContext() for _ in plan.ctx_flags]
-            if plan.gated is not None:  # (only CPU autograd plans have one)
-                gate_weights(plan.gated, ctxs, params)
+            gated = plan.gated
+            if plan.gated_all is not None and scheduler_active():  # (only CPU autograd plans have one)
+                gated = plan.gated_all  # (inside delayed_wgrad(): every contract weight through the gate)
+            if gated is not None:
+                gate_weights(gated, ctxs, params)
             y, extra_outputs = _run_forward(self, plan, ctxs, x, extra_inputs)
             if self.num_extra_outputs == 0:
                 return y

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -47,11 +48,17 @@ def delayed_wgrad():
     :func:`flush_wgrad` computes them later."""
     with _sched_lock:
         _sched_depth[0] += 1
+        if _sched_depth[0] == 1:
+            _late_handles.extend(_hook_plain_weights())
     try:
         yield
     finally:
         with _sched_lock:
             _sched_depth[0] -= 1
+            if _sched_depth[0] == 0:
+                for h in _late_handles:
+                    h.remove()
+                _late_handles.clear()
 
 
 def scheduler_active() -> bool:
@@ -180,7 +187,11 @@ def deliver_weight_grad(op, param: torch.Tensor, compute: WgradCompute) -> Optio
 
 class ContractGate(torch.autograd.Function):
     """Identity on contract weights, for a CPU call that runs under PyTorch's own autograd
-    (:data:`fusible_ops.fuser.CPU_AUTOGRAD`): the ops compute with the views it returns
+    (:data:`fusible_ops.fuser.CPU_AUTOGRAD`), on the weights of ops with
+    ``accumulate_into_main_grad`` or ``delay_wgrad_compute`` (on every trainable contract weight
+    when :func:`delayed_wgrad` is active at forward; plain-mode weights otherwise go to autograd's
+    ``.grad`` accumulation, hooked by :func:`delayed_wgrad` while it is active, because an autograd
+    function costs about 11 us per call on a CPU host): the ops compute with the aliases it returns
     (``ctx.gated_weight``), so each weight's gradient, computed by autograd, passes through
     :func:`deliver_weight_grad` in backward (main_grad, the flag and dummy, delayed weight
     gradients, :func:`delayed_wgrad` around the backward) exactly as the ops' own backward
@@ -220,6 +231,57 @@ def _computed(g: torch.Tensor) -> WgradCompute:
     return compute
 
 
+# CPU calls under PyTorch's autograd gate only the weights of flagged ops (the gate costs an
+# autograd function per call). A plain-mode weight's gradient goes to autograd's AccumulateGrad
+# directly, which is the contract's answer unless delayed_wgrad() is active at backward: for that
+# case delayed_wgrad() hooks, while it is active, the AccumulateGrad node of every plain-mode
+# weight of the fusers that ran such calls (see watch_plain_weights), and the hook delivers the
+# gradient through deliver_weight_grad (queued) in place of accumulating it.
+_watched = weakref.WeakSet()  # fusers whose CPU-autograd plans leave plain-mode weights ungated
+_late_handles: list = []
+
+
+def watch_plain_weights(fuser) -> None:
+    """Register a fuser whose CPU-autograd plans leave plain-mode contract weights ungated (once
+    per plan made): :func:`delayed_wgrad` hooks their weights while it is active."""
+    _watched.add(fuser)
+
+
+def _hook_plain_weights() -> list:
+    """Node pre-hooks on the AccumulateGrad nodes of the watched fusers' trainable plain-mode
+    leaf weights, one per weight (its first op delivers); returns their handles."""
+    handles, seen = [], set()
+    for fuser in list(_watched):
+        for op in fuser.ops:
+            if not isinstance(op, WeightGradMixin) or _flagged(op):
+                continue
+            w = getattr(op, "weight", None)
+            if (not isinstance(w, torch.Tensor) or not w.is_cpu or not w.requires_grad or w.grad_fn is not None
+                    or id(w) in seen):
+                continue  # (CPU leaves only: only CPU calls run under PyTorch's autograd)
+            seen.add(id(w))
+            node = torch.autograd.graph.get_gradient_edge(w).node
+            handles.append(node.register_prehook(_LateDelay(op, w)))
+    return handles
+
+
+class _LateDelay:
+    """The pre-hook :func:`_hook_plain_weights` puts on a weight's AccumulateGrad node: under
+    :func:`delayed_wgrad` the incoming gradient is delivered (queued on ``op``) and autograd
+    accumulates nothing (an undefined gradient)."""
+
+    __slots__ = ("op", "weight")
+
+    def __init__(self, op, weight) -> None:
+        self.op, self.weight = op, weight
+
+    def __call__(self, grad_outputs):
+        g = grad_outputs[0]
+        if g is None or not scheduler_active():
+            return None
+        return (deliver_weight_grad(self.op, self.weight, _computed(g)),)
+
+
 def gate_weights(gated: tuple, ctxs: list, params: list) -> None:
     """Route the plan's contract weights through :class:`ContractGate` (eager, grad mode):
     ``gated`` = (ops, their basic-op indices, their weights' indices in ``params``); each op's
@@ -230,13 +292,14 @@ def gate_weights(gated: tuple, ctxs: list, params: list) -> None:
         ctxs[i].gated_weight = v
 
 
-def contract_weights(ops, params, counts) -> Optional[tuple]:
+def contract_weights(ops, params, counts, flagged_only: bool = False) -> Optional[tuple]:
     """:func:`gate_weights`' ``gated`` for the trainable ``weight`` of each :class:`WeightGradMixin`
     op among ``ops`` (``params``: their parameters, ``counts`` per op, flat), or None when there
-    is none (computed once per plan)."""
+    is none (computed once per plan). ``flagged_only``: only ops with ``accumulate_into_main_grad``
+    or ``delay_wgrad_compute``."""
     found, k = [], 0
     for i, (op, c) in enumerate(zip(ops, counts)):
-        if isinstance(op, WeightGradMixin):
+        if isinstance(op, WeightGradMixin) and (_flagged(op) or not flagged_only):
             for j, n in enumerate(op.param_names()):
                 if n == "weight" and params[k + j].requires_grad:
                     found.append((op, i, k + j))

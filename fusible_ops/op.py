@@ -94,7 +94,7 @@ class FusibleOperation(torch.nn.Module):
     its outputs do not depend on the ctx flags. A CPU training call whose forward steps are all
     such ops then runs under PyTorch's own autograd (:data:`fusible_ops.fuser.CPU_AUTOGRAD`): no
     autograd function, no ``fuser_backward``. A :class:`~fusible_ops.grad.WeightGradMixin` op that
-    sets it computes with ``ctx.gated_weight`` when that is set (its trainable ``weight`` goes
+    sets it computes with ``ctx.gated_weight`` when that is set (its trainable ``weight`` may go
     through :class:`~fusible_ops.grad.ContractGate`, which keeps the gradient contract)."""
 
     def __setattr__(self, name: str, value: Any) -> None:

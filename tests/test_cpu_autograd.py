@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import fusible_ops as fo
 from fusible_ops import fuser as fuser_mod
+from fusible_ops import grad as grad_mod
 from fusible_ops.grad import WeightGradMixin
 from fusible_ops.kernels import use
 from fusible_ops.testing import assert_close
@@ -141,6 +142,13 @@ def _contract_run(native: bool, mode: str):
     seen, x = [], _x(3, 6)
     with fuser_mod.cpu_autograd(native):
         for i in range(3):
+            if mode == "delayed_fwd":  # delayed_wgrad() around the forward too (the gate, not the hooks)
+                with fo.delayed_wgrad():
+                    y = seq(x * (i + 1))
+                    y.backward(torch.ones_like(y))
+                seen.append([(w.grad is None, getattr(w, "skip_backward_post_hook", False)) for w in weights])
+                fo.flush_wgrad()
+                continue
             y = seq(x * (i + 1))
             assert _through_function(y) != native
             if mode == "delayed":
@@ -160,15 +168,16 @@ def _contract_run(native: bool, mode: str):
     return seen, state, grads, seq[0].bias.grad, x.grad
 
 
-@pytest.mark.parametrize("mode", ["plain", "main_grad", "main_grad_flag", "delayed", "delay_flag"])
+@pytest.mark.parametrize("mode", ["plain", "main_grad", "main_grad_flag", "delayed", "delayed_fwd", "delay_flag"])
 def test_contract_weights_under_native_autograd(mode):
-    """Trainable linear weights go native through ContractGate: main_grad accumulation over three
-    micro-batches, the flag and dummy, delayed_wgrad() around the backward, and the op flag give
-    what the ops' own backward gives."""
+    """Trainable linear weights go native (flagged ones through ContractGate, plain-mode ones
+    straight to autograd, hooked while delayed_wgrad() is active): main_grad accumulation over
+    three micro-batches, the flag and dummy, delayed_wgrad() around the backward (and around the
+    forward too), and the op flag give what the ops' own backward gives."""
     seen, state, grads, bgrad, xgrad = _contract_run(True, mode)
     ref_seen, ref_state, ref_grads, ref_bgrad, ref_xgrad = _contract_run(False, mode)
     assert seen == ref_seen
-    if mode == "delayed":
+    if mode in ("delayed", "delayed_fwd"):
         assert seen[0] == [(True, True), (True, True)]  # nothing in .grad until the first flush
         assert all(skip for batch in seen for _, skip in batch)  # pending work: hooks told to skip
     for a, e in zip(state + [bgrad, xgrad], ref_state + [ref_bgrad, ref_xgrad]):
@@ -179,6 +188,46 @@ def test_contract_weights_under_native_autograd(mode):
             assert a.shape == e.shape
         elif a is not None:
             assert_close(a, e, F64)
+
+
+def test_plain_weights_are_not_gated_and_late_hooks_go_away():
+    """A plain-mode weight is not gated (its gradient goes to autograd's AccumulateGrad); the
+    hooks delayed_wgrad() puts on such weights are gone after it: a later backward accumulates
+    into .grad at once."""
+    seq = fo.Sequential(fo.Linear(6, 5, dtype=F64), fo.GELU(), fo.Linear(5, 4, dtype=F64))
+    x = _x(3, 6)
+    y = seq(x)
+    plan = seq._only._plans[seq._only.last_key]
+    assert plan.gated is None and len(plan.gated_all[0]) == 2
+    assert "ContractGate" not in str(y.grad_fn.next_functions)  # straight to the weights
+    with fo.delayed_wgrad():
+        y.sum().backward()
+    assert seq[0].weight.grad is None and seq[2].weight.grad is None
+    fo.flush_wgrad()
+    assert not grad_mod._late_handles  # (removed when delayed_wgrad() ended)
+    g0 = seq[0].weight.grad.clone()
+    seq(x).sum().backward()  # no delayed_wgrad(): straight into .grad
+    assert_close(seq[0].weight.grad, 2 * g0, F64)
+    assert not seq[0].weight.skip_backward_post_hook
+
+
+def test_tied_plain_weight_under_delayed_wgrad():
+    """One weight used by two linears of a chain, delayed_wgrad() around the backward: after
+    flush_wgrad() its .grad holds both uses' gradients, as with the ops' own backward."""
+    def run(native):
+        torch.manual_seed(0)
+        seq = fo.Sequential(fo.Linear(5, 5, dtype=F64), fo.GELU(), fo.Linear(5, 5, dtype=F64))
+        seq[2].weight = seq[0].weight
+        x = _x(3, 5)
+        with fuser_mod.cpu_autograd(native):
+            y = seq(x)
+            with fo.delayed_wgrad():
+                y.sum().backward()
+            assert seq[0].weight.grad is None
+            fo.flush_wgrad()
+        return seq[0].weight.grad, x.grad
+    for a, e in zip(run(True), run(False)):
+        assert_close(a, e, F64)
 
 
 def test_frozen_weight_gets_no_gradient():
