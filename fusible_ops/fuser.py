@@ -29,6 +29,7 @@ from torch.nn.utils import parametrize
 from .fuser_routing import RoutedSteps, routing_layout
 from .grad import check_flagged_ops, contract_weights, gate_weights, scheduler_active, watch_plain_weights
 from .kernels import current_mode
+from .op import STATE_EPOCH as _STATE_EPOCH
 from .op import BasicOperation, OperationContext
 from .quantization.recipes import current_recipe
 from .quantization.tensor import Float8Tensor
@@ -165,6 +166,7 @@ class OperationFuser:
         self._no_extras = [()] * len(ops)
         self._none_extra_grads = [(None,) * m for m in self._num_extra_inputs]
         self._versions: Optional[tuple] = None  # op state versions the slots below were made for
+        self._epoch = -1  # op.STATE_EPOCH when the versions were last compared
         self._slots: list[tuple[torch.nn.Module, str]] = []  # (owner module, name) per parameter
         self._param_counts: list[int] = []
         self._parametrized = False
@@ -328,9 +330,11 @@ class OperationFuser:
             raise TypeError(
                 f"expected {self.num_extra_inputs} extra input(s) (for {names}), got {len(extra_inputs)}"
             )
-        versions = tuple([op.state_version for op in self.ops])
-        if versions != self._versions:
-            self._refresh(versions)
+        if _STATE_EPOCH[0] != self._epoch:  # some op's state changed since the last call
+            self._epoch = _STATE_EPOCH[0]
+            versions = tuple([op.state_version for op in self.ops])
+            if versions != self._versions:
+                self._refresh(versions)
         if self._parametrized:  # one evaluation of each parametrization per call, with grad
             with parametrize.cached():
                 return self._run(x, extra_inputs, [getattr(m, n) for m, n in self._slots])

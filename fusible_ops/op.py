@@ -83,6 +83,10 @@ class OperationContext:
         self._saved = ()
 
 
+STATE_EPOCH = [0]
+"""Bumped with every op's ``state_version``: a fuser re-reads its ops' versions only when it moved."""
+
+
 class FusibleOperation(torch.nn.Module):
     """Common interface of basic and fused ops."""
 
@@ -108,6 +112,7 @@ class FusibleOperation(torch.nn.Module):
     def _bump_state_version(self) -> None:
         d = self.__dict__
         d["state_version"] = d.get("state_version", 0) + 1
+        STATE_EPOCH[0] += 1
         for op in d.get("_borrowers", ()):  # ops that read parameters owned by this module
             op._bump_state_version()
 

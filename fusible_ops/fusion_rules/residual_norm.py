@@ -14,6 +14,7 @@ from ..op import FusedOperation
 from ..ops.validation import check_same
 from ..ops.misc import AddExtraInput, MakeExtraOutput
 from ..ops.norm import NORM_CLASSES
+from ..quantization.recipes import current_recipe
 from ..rules import rule
 
 
@@ -23,11 +24,18 @@ class ForwardAddNorm(FusedOperation):
     writes_fp8_output = True
     cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
 
+    def __init__(self, ops) -> None:
+        super().__init__(ops)
+        self._no_extras = [()] * len(ops)
+
     def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
         add, norm = self.basic_ops[0], self.basic_ops[-1]
         (residual,) = extra_inputs[0]
         check_same(add, "the extra input", residual, x)
         norm.check_input(x)
+        if not ctxs[-1].requires_grad and len(ctxs) == 2 and current_recipe() is None:
+            # no ctx to fill, no FP8 output, no extra output: the norm's own native-or-kernel choice
+            return norm.norm_forward(ctxs[-1], x, residual=residual)[0], self._no_extras
         per_op = kwargs.get("basic_op_kwargs")
         quant = per_op[-1].get("next_op_input_quantizer") if per_op else None
         y, xsum = norm.norm_forward(ctxs[-1], x, residual=residual, quant=quant)
