@@ -28,7 +28,7 @@ from torch.nn.utils import parametrize
 
 from .fuser_routing import RoutedSteps, routing_layout
 from .grad import check_flagged_ops, contract_weights, gate_weights, scheduler_active, watch_plain_weights
-from .kernels import current_mode
+from .kernels import current_mode, set_mode
 from .op import STATE_EPOCH as _STATE_EPOCH
 from .op import BasicOperation, OperationContext
 from .quantization.recipes import current_recipe
@@ -48,6 +48,17 @@ the backward plan does not run. Not inside ``kernels.use("triton")`` (Triton's i
 steps: nothing for autograd to record). ``FUSIBLE_OPS_CPU_AUTOGRAD=0`` (or setting this to False) sends
 every call through the fuser's autograd function and the ops' own backward, as on CUDA (tests of
 the ``*_ref`` backward math do; see :func:`cpu_autograd`)."""
+
+
+NATIVE_MAX_NUMEL = int(os.environ.get("FUSIBLE_OPS_NATIVE_MAX_NUMEL", str(1 << 16)))
+"""CUDA training calls whose input has at most this many elements take the same path as CPU calls
+under :data:`CPU_AUTOGRAD`: their forward steps run the reference math (torch's own CUDA ops:
+cuBLAS, and one ATen kernel per elementwise op or norm) with PyTorch's autograd recording. At
+such sizes a call is bound by host time, not by the device, and PyTorch's own ops and autograd
+cost the host the least; the Triton kernels serve larger inputs. Needs :data:`CPU_AUTOGRAD` (so
+``cpu_autograd(False)`` also sends these calls through the fused kernels) and the ``"auto"``
+kernel mode. :func:`fusible_ops.make_graphed_callables` captures the fused kernels whatever the
+size. ``FUSIBLE_OPS_NATIVE_MAX_NUMEL=0`` (or setting this to 0) turns it off."""
 
 
 @contextlib.contextmanager
@@ -87,6 +98,7 @@ class Plan:
     cpu_autograd: bool = False
     gated: Optional[tuple] = None
     gated_all: Optional[tuple] = None
+    device_type: str = "cpu"  # of the calls this plan serves (part of the key)
 
     def __post_init__(self) -> None:
         # What every call reads, computed once per plan (the host path stays short).
@@ -279,7 +291,7 @@ class OperationFuser:
         _verify(ops, fwd, "forward")
         if requires_grad:
             _verify(ops, bwd, "backward")
-        native = (requires_grad and x.device.type == "cpu" and self._routing is None and base["recipe"] is None
+        native = (requires_grad and x.device.type in ("cpu", "cuda") and self._routing is None and base["recipe"] is None
                   and all(g.op.cpu_autograd for g in fwd))
         plan = Plan(
             forward=fwd,
@@ -294,6 +306,7 @@ class OperationFuser:
                               for e in extra_inputs]),
             param_keep=tuple([requires_grad and p.requires_grad for p in params]),
             cpu_autograd=native,
+            device_type=x.device.type,
             gated=contract_weights(ops, params, self._param_counts, flagged_only=True) if native else None,
             gated_all=contract_weights(ops, params, self._param_counts) if native else None,
             op_kwargs=[
@@ -350,8 +363,10 @@ class OperationFuser:
         self.last_key = key
         if self._wgrad_flagged and plan.requires_grad:
             check_flagged_ops(self.ops, params, plan.param_counts)
-        if ((not plan.requires_grad or (plan.cpu_autograd and CPU_AUTOGRAD and type(x) is not Float8Tensor
-                                        and current_mode() != "triton"))
+        native = (plan.cpu_autograd and CPU_AUTOGRAD and type(x) is not Float8Tensor
+                  and (current_mode() != "triton" if not x.is_cuda else
+                       x.numel() <= NATIVE_MAX_NUMEL and current_mode() == "auto"))
+        if ((not plan.requires_grad or native)
                 and _forward_ad._current_level < 0 and not _is_compiling() and not _transforms_active()):
             # No gradient anywhere (no_grad / inference, or nothing requires grad): the steps run
             # as they would inside the autograd function, without the function (no node to build).
@@ -364,7 +379,14 @@ class OperationFuser:
                 gated = plan.gated_all  # (inside delayed_wgrad(): every contract weight through the gate)
             if gated is not None:
                 gate_weights(gated, ctxs, params)
-            y, extra_outputs = _run_forward(self, plan, ctxs, x, extra_inputs)
+            if native and x.is_cuda:  # the reference math (torch's ops) for autograd to record
+                previous = set_mode("reference")
+                try:
+                    y, extra_outputs = _run_forward(self, plan, ctxs, x, extra_inputs)
+                finally:
+                    set_mode(previous)
+            else:
+                y, extra_outputs = _run_forward(self, plan, ctxs, x, extra_inputs)
             if self.num_extra_outputs == 0:
                 return y
             return (y, *[t for e in extra_outputs for t in e])

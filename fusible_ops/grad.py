@@ -231,8 +231,8 @@ def _computed(g: torch.Tensor) -> WgradCompute:
     return compute
 
 
-# CPU calls under PyTorch's autograd gate only the weights of flagged ops (the gate costs an
-# autograd function per call). A plain-mode weight's gradient goes to autograd's AccumulateGrad
+# Calls under PyTorch's autograd (CPU, small CUDA inputs) gate only the weights of flagged ops (the
+# gate costs an autograd function per call). A plain-mode weight's gradient goes to autograd's AccumulateGrad
 # directly, which is the contract's answer unless delayed_wgrad() is active at backward: for that
 # case delayed_wgrad() hooks, while it is active, the AccumulateGrad node of every plain-mode
 # weight of the fusers that ran such calls (see watch_plain_weights), and the hook delivers the
@@ -256,9 +256,8 @@ def _hook_plain_weights() -> list:
             if not isinstance(op, WeightGradMixin) or _flagged(op):
                 continue
             w = getattr(op, "weight", None)
-            if (not isinstance(w, torch.Tensor) or not w.is_cpu or not w.requires_grad or w.grad_fn is not None
-                    or id(w) in seen):
-                continue  # (CPU leaves only: only CPU calls run under PyTorch's autograd)
+            if not isinstance(w, torch.Tensor) or not w.requires_grad or w.grad_fn is not None or id(w) in seen:
+                continue
             seen.add(id(w))
             node = torch.autograd.graph.get_gradient_edge(w).node
             handles.append(node.register_prehook(_LateDelay(op, w)))

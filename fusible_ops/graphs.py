@@ -44,6 +44,7 @@ from typing import Sequence, Union
 
 import torch
 
+from .fuser import cpu_autograd
 from .grad import WeightGradMixin
 from .op import FusibleOperation
 from .quantization.casting import graph_weight_cache, refresh_graph_weights
@@ -203,14 +204,19 @@ def make_graphed_callables(modules: Callables, sample_args, *, num_warmup_iters:
             if p.requires_grad and p.grad is None and not owner_mg:
                 p.grad = torch.zeros_like(p)
     state = _State(ops)
-    _warmup(mods, args, num_warmup_iters)
-    torch.cuda.synchronize()
-    state.restore()
-    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-    with graph_weight_cache(fp8_weight_cache) as fp8_weights:
-        graphed = torch.cuda.make_graphed_callables(mods, args, num_warmup_iters=0, allow_unused_input=True, pool=pool)
-        graphed = tuple(graphed)  # (torch returns a tuple for a tuple of callables)
-        delayed = _capture_delayed(ops, pool)
+    # Warm-up and capture take the fused kernels and the fuser's autograd function whatever the
+    # input size (small CUDA inputs otherwise run torch's own ops under PyTorch's autograd, see
+    # fusible_ops.fuser.NATIVE_MAX_NUMEL): the contract bookkeeping below is built around them.
+    with cpu_autograd(False):
+        _warmup(mods, args, num_warmup_iters)
+        torch.cuda.synchronize()
+        state.restore()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        with graph_weight_cache(fp8_weight_cache) as fp8_weights:
+            graphed = torch.cuda.make_graphed_callables(mods, args, num_warmup_iters=0, allow_unused_input=True,
+                                                        pool=pool)
+            graphed = tuple(graphed)  # (torch returns a tuple for a tuple of callables)
+            delayed = _capture_delayed(ops, pool)
     torch.cuda.synchronize()
     state.restore()
     for m in graphed:

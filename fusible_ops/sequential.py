@@ -363,7 +363,9 @@ class Sequential(torch.nn.Module):
                     lines.append("  (no backward: nothing requires grad)")
                     continue
                 if pass_ == "backward" and plan.cpu_autograd and _fuser.CPU_AUTOGRAD:
-                    lines.append("  (CPU: PyTorch's autograd differentiates the forward steps; the groups below "
+                    where = ("CPU" if plan.device_type != "cuda" else
+                             f"CUDA inputs of at most {_fuser.NATIVE_MAX_NUMEL} elements")
+                    lines.append(f"  ({where}: PyTorch's autograd differentiates the forward steps; the groups below "
                                  "run under fusible_ops.fuser.cpu_autograd(False))")
                 for g in groups:
                     idx = [i + offset for i in g.indices]

@@ -3,7 +3,8 @@
 * Without CUDA, Triton's interpreter is switched on *before* triton is imported, so
   ``fusible_ops.kernels.use("triton")`` can run every kernel on CPU tensors.
 * Tests marked ``gpu`` are skipped without CUDA; on a GPU every direct kernel launch is checked
-  against Triton's own specialization (``FUSIBLE_OPS_CHECK_DIRECT``).
+  against Triton's own specialization (``FUSIBLE_OPS_CHECK_DIRECT``), and small training calls
+  take the fused kernels too (``FUSIBLE_OPS_NATIVE_MAX_NUMEL=0``).
 * Launch-geometry caches are emptied around each test (tests change tiling constants).
 * Hypothesis runs a fixed, derandomized profile (``ci``) with bounded examples
   (``HYPOTHESIS_PROFILE=dev`` for more). Users' projects have no such profile: the README recipe
@@ -19,6 +20,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # every direct kernel launch is checked against Triton's own specialization (GPU runs)
 os.environ.setdefault("FUSIBLE_OPS_CHECK_DIRECT", "1")
+# small CUDA training calls would run torch's own ops (fusible_ops.fuser.NATIVE_MAX_NUMEL): the GPU
+# tests' small shapes must exercise the fused kernels; tests of that path turn it on themselves
+os.environ.setdefault("FUSIBLE_OPS_NATIVE_MAX_NUMEL", "0")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -1,4 +1,5 @@
-"""CPU calls under PyTorch's own autograd (``fusible_ops.fuser.CPU_AUTOGRAD``).
+"""CPU calls (and small CUDA calls) under PyTorch's own autograd (``fusible_ops.fuser.CPU_AUTOGRAD``,
+``fusible_ops.fuser.NATIVE_MAX_NUMEL``).
 
 A CPU training call whose forward steps are all ``cpu_autograd`` ops runs the forward steps with
 autograd recording (no autograd function, no ``fuser_backward``); trainable linear weights pass
@@ -6,6 +7,8 @@ through ``ContractGate``, which keeps the gradient contract. These tests hold: t
 (``cpu_autograd(False)``) for every op and fused op that opts in, in float64; that the path is
 really taken (and really not taken where it must not be); and that the plan is unchanged.
 """
+
+import copy
 
 import pytest
 import torch
@@ -37,7 +40,7 @@ def _run(seq, inputs, seed=7):
     out = seq(*xs)
     outs = list(out) if isinstance(out, tuple) else [out]
     g = torch.Generator().manual_seed(3)
-    loss = sum((o * torch.randn(o.shape, generator=g, dtype=F64).to(o.dtype)).sum() for o in outs)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=F64).to(o.device, o.dtype)).sum() for o in outs)
     loss.backward()
     grads = [x.grad for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
     grads += [p.grad for _, p in sorted(seq.named_parameters()) if p.requires_grad]
@@ -338,3 +341,101 @@ def test_checkpoint_double_backward_and_retain_graph():
     once = seq[1].weight.grad.clone()
     y.sum().backward()
     assert_close(seq[1].weight.grad, 2 * once, F64)
+
+
+# ---------------------------------------------------------------- small CUDA calls (fuser.NATIVE_MAX_NUMEL)
+def _cuda_case(name, dtype):
+    make, rule = CASES[name]
+    torch.manual_seed(0)
+    seq, inputs = make(F64)
+    with torch.no_grad():
+        for p in seq.parameters():
+            p.uniform_(0.5, 1.5)
+    on_cuda = copy.deepcopy(seq).to("cuda", dtype)
+    cuda_inputs = [t.detach().to("cuda", dtype).requires_grad_(t.requires_grad) for t in inputs]
+    return (seq, inputs), (on_cuda, cuda_inputs), rule
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_small_cuda_calls_run_native(name, monkeypatch):
+    """A small CUDA training call runs under PyTorch's autograd (torch's own ops) and gives, in
+    float32, what the fused kernels and their backward give (same device, same dropout seed)."""
+    monkeypatch.setattr(fuser_mod, "NATIVE_MAX_NUMEL", 1 << 16)
+    _, (seq, inputs), rule = _cuda_case(name, torch.float32)
+    assert _compare(seq, inputs, torch.float32), f"{name}: the small CUDA call did not run natively"
+    if rule is not None:
+        assert rule in [g["rule"] for g in seq.fusion_plan()]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["frozen_linear_silu", "residual_rmsnorm", "swiglu", "norms", "gelu_tanh"])
+def test_small_cuda_calls_bf16_against_float64(name, monkeypatch):
+    """bf16 small CUDA calls under PyTorch's autograd against the float64 reference (the ops' own
+    backward on CPU), with the table's bf16 tolerance."""
+    monkeypatch.setattr(fuser_mod, "NATIVE_MAX_NUMEL", 1 << 16)
+    (ref_seq, ref_in), (seq, inputs), _ = _cuda_case(name, torch.bfloat16)
+    outs, grads, fn = _run(seq, inputs)
+    assert not fn
+    with fuser_mod.cpu_autograd(False):
+        ref_outs, ref_grads, _ = _run(ref_seq, ref_in)
+    for a, e in zip(outs + grads, ref_outs + ref_grads):
+        assert_close(a, e, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_large_cuda_calls_and_switches_take_the_fused_kernels(monkeypatch):
+    monkeypatch.setattr(fuser_mod, "NATIVE_MAX_NUMEL", 64)
+    seq = fo.Sequential(fo.Linear(8, 8, device="cuda"), fo.GELU())
+    assert not _through_function(seq(torch.randn(8, 8, device="cuda", requires_grad=True)))  # 64 elements
+    assert _through_function(seq(torch.randn(9, 8, device="cuda", requires_grad=True)))  # 72: fused kernels
+    x = torch.randn(8, 8, device="cuda", requires_grad=True)
+    with fuser_mod.cpu_autograd(False):
+        assert _through_function(seq(x))
+    with use("triton"):
+        assert _through_function(seq(x))
+    assert "CUDA inputs of at most 64 elements" in seq.explain()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["plain", "main_grad", "main_grad_flag", "delayed", "delayed_fwd", "delay_flag"])
+def test_contract_on_small_cuda_calls(mode, monkeypatch):
+    """The gradient contract on the small-CUDA path matches the fused kernels' (three micro-batches)."""
+    monkeypatch.setattr(fuser_mod, "NATIVE_MAX_NUMEL", 1 << 16)
+    torch.set_default_device("cuda")
+    try:
+        got = _contract_run(True, mode)
+        want = _contract_run(False, mode)
+    finally:
+        torch.set_default_device(None)
+    assert got[0] == want[0]
+    for a, e in zip(got[1] + [got[3], got[4]], want[1] + [want[3], want[4]]):
+        assert_close(a, e, F64)
+
+
+@pytest.mark.gpu
+def test_graphs_of_small_chains(monkeypatch):
+    """fusible_ops.make_graphed_callables captures the fused kernels of a small chain, and
+    torch.cuda.make_graphed_callables captures the native path: replays give eager's gradients."""
+    monkeypatch.setattr(fuser_mod, "NATIVE_MAX_NUMEL", 1 << 16)
+    torch.manual_seed(0)
+    x = torch.randn(16, 32, device="cuda", requires_grad=True)
+    dy = torch.randn(16, 32, device="cuda")
+
+    def make():
+        torch.manual_seed(1)
+        return fo.Sequential(fo.Linear(32, 32, device="cuda"), fo.GELU(), fo.Linear(32, 32, device="cuda"))
+
+    eager = make()
+    eager(x).backward(dy)
+    want = [p.grad.clone() for p in eager.parameters()]
+    for graph in (fo.make_graphed_callables, lambda m, a: torch.cuda.make_graphed_callables(m, a)):
+        seq = make()
+        for p in seq.parameters():
+            p.grad = None
+        g = graph(seq, (x.detach().clone().requires_grad_(),))
+        for p in seq.parameters():
+            p.grad = None
+        g(x.detach().clone().requires_grad_()).backward(dy)
+        for a, e in zip([p.grad for p in seq.parameters()], want):
+            assert_close(a, e.double(), torch.float32)

@@ -28,7 +28,7 @@ from ..op import FusedOperation
 from ..ops.activation import ACTIVATION_CLASSES, Activation
 from ..ops.linear import BasicLinear, Bias
 from ..ops.misc import Dropout
-from ..ops.validation import NATIVE_DTYPES, check_input, other_device
+from ..ops.validation import check_input, native_dtype_ok, other_device
 from ..quantization.recipes import current_recipe
 from ..quantization.tensor import Float8Tensor
 from ..rules import match, rule
@@ -66,7 +66,8 @@ class ForwardLinearBiasActivation(FusedOperation):
     def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
         r = self.roles
         (lin, li), (bias, bi), (act, ai), (drop, di) = r["linear"], r["bias"], r["act"], r["dropout"]
-        if (lin is not None and drop is None and not ctxs[0].requires_grad and x.dtype in NATIVE_DTYPES
+        if (lin is not None and drop is None and not ctxs[0].requires_grad
+                and native_dtype_ok(x, act is not None and act.gated)
                 and type(x) is not Float8Tensor and current_recipe() is None and not use_triton(x)):
             return self._native(ctxs[li], x, lin, bias, act), self._no_extras
         if lin is not None:
@@ -108,9 +109,10 @@ class ForwardLinearBiasActivation(FusedOperation):
 
     @staticmethod
     def _native(lctx, x, lin, bias, act):
-        """Reference math that fills no ctx (a CPU call under PyTorch's autograd, or inference),
-        float32/float64, no FP8, no dropout: ``act(x @ w.T + b)`` with torch's ops, the bias in
-        the GEMM (``addmm``), as the generic path computes it, without its ctx bookkeeping."""
+        """Reference math that fills no ctx (a call under PyTorch's autograd, or inference; dtypes
+        as :func:`~fusible_ops.ops.validation.native_dtype_ok`), no FP8, no dropout:
+        ``act(x @ w.T + b)`` with torch's ops, the bias in the GEMM (``addmm``), as the generic
+        path computes it, without its ctx bookkeeping."""
         w = lctx.gated_weight  # (set under PyTorch's autograd: see ContractGate)
         if w is None:
             w = lin.weight

@@ -71,12 +71,20 @@ def use(mode: str):
     """
     if mode not in _MODES:
         raise ValueError(f"kernels.use({mode!r}): expected one of {_MODES}")
-    previous = getattr(_state, "mode", None)
-    _state.mode = mode
+    previous = set_mode(mode)
     try:
         yield
     finally:
         _state.mode = previous
+
+
+def set_mode(mode) -> object:
+    """Set this thread's dispatch mode (``None``: back to the environment's) and return the previous
+    setting, for a caller that restores it in a ``finally`` (:func:`use` without its context
+    manager's host time; used on the fuser's per-call path)."""
+    previous = getattr(_state, "mode", None)
+    _state.mode = mode
+    return previous
 
 
 def use_triton(*tensors: torch.Tensor | None) -> bool:
@@ -111,5 +119,5 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
 # Launch utilities live in one module (re-exported here for the kernel families and users).
 from fusible_ops.kernels.launch import TRITON_DTYPES, kernel_op, num_sms  # noqa: E402
 
-__all__ = ["HAS_TRITON", "TRITON_DTYPES", "current_mode", "interpreter_enabled", "kernel_op", "num_sms", "use",
-           "use_triton"]
+__all__ = ["HAS_TRITON", "TRITON_DTYPES", "current_mode", "interpreter_enabled", "kernel_op", "num_sms", "set_mode",
+           "use", "use_triton"]

@@ -20,7 +20,7 @@ from ..kernels import activation as _K
 from ..kernels import use_triton
 from ..kernels.activation_ref import act_native
 from ..op import BasicOperation
-from .validation import NATIVE_DTYPES as _NATIVE_DTYPES
+from .validation import native_dtype_ok
 from .validation import check_input
 
 
@@ -53,7 +53,7 @@ class Activation(BasicOperation):
 
     def op_forward(self, ctx, x, **kwargs):
         self.check_input(x)
-        if not ctx.requires_grad and x.dtype in _NATIVE_DTYPES and not use_triton(x):
+        if not ctx.requires_grad and native_dtype_ok(x, self.gated) and not use_triton(x):
             # Reference math with no ctx to fill (a CPU call under PyTorch's autograd, or
             # inference): torch's ops in x's dtype, without the kernel API's checks and casts
             return act_native(x, self.kind)

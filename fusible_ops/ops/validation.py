@@ -9,7 +9,15 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 NATIVE_DTYPES = (torch.float32, torch.float64)
 """Dtypes whose reference math runs in the input's own dtype (no casts): where an op needs no
-ctx (a CPU call under PyTorch's autograd, or inference), it may call torch's own ops directly."""
+ctx (a call under PyTorch's autograd, or inference), it may call torch's own ops directly."""
+
+
+def native_dtype_ok(x: torch.Tensor, gated: bool) -> bool:
+    """Whether an activation of ``x`` may run as torch's own op in x's dtype (see
+    :data:`NATIVE_DTYPES`): float32/float64 always; on CUDA also 16-bit x for a non-gated
+    activation, which torch computes in float32 and rounds once, as the reference does (a gated
+    product in 16 bits would round twice)."""
+    return x.dtype in NATIVE_DTYPES or (x.is_cuda and not gated and x.dtype in FLOAT_DTYPES)
 
 
 def check_input(op, x: torch.Tensor, *, features: Optional[int] = None, like: Optional[torch.Tensor] = None,
