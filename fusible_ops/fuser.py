@@ -26,6 +26,10 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch.nn.utils import parametrize
 
+from .fuser_params import distinct as _distinct
+from .fuser_params import grad_quantizer as _grad_quantizer
+from .fuser_params import input_quantizer as _input_quantizer
+from .fuser_params import reader as _reader
 from .fuser_routing import RoutedSteps, routing_layout
 from .grad import check_flagged_ops, contract_weights, gate_weights, scheduler_active, watch_plain_weights
 from .kernels import current_mode, set_mode
@@ -406,63 +410,6 @@ class OperationFuser:
         if self.num_extra_outputs == 0:
             return outs[0]
         return tuple(outs)
-
-
-def _distinct(x: torch.Tensor, args: list) -> list:
-    """``args`` with every tensor that is ``x`` or an earlier argument replaced by an alias
-    (``view_as``): the same tensor twice (x as residual, tied weights) must reach the autograd
-    function as distinct inputs."""
-    args, seen = list(args), {id(x)}
-    for i, t in enumerate(args):
-        if isinstance(t, torch.Tensor):
-            if id(t) in seen:
-                args[i] = t.view_as(t)
-            else:
-                seen.add(id(t))
-    return args
-
-
-def _reader(module: torch.nn.Module, name: str) -> tuple:
-    """``(dict, name)`` such that ``dict[name]`` is ``getattr(module, name)`` while the module's
-    state is what it is now: its ``_parameters`` (the entry ``functional_call`` swaps), its
-    ``_buffers`` or its ``__dict__``; for anything else (a property) a one-entry dict holding the
-    value would go stale, so such a slot keeps ``getattr`` through :class:`_GetAttr`."""
-    d = module.__dict__
-    if name not in d:
-        for store in (d.get("_parameters"), d.get("_buffers")):
-            if store is not None and name in store:
-                return store, name
-    elif not hasattr(type(module), name):
-        return d, name
-    return _GetAttr(module), name
-
-
-class _GetAttr:
-    """``_GetAttr(m)[name]`` is ``getattr(m, name)`` (a slot with no dict to read)."""
-
-    __slots__ = ("module",)
-
-    def __init__(self, module) -> None:
-        self.module = module
-
-    def __getitem__(self, name: str):
-        return getattr(self.module, name)
-
-
-def _input_quantizer(op: BasicOperation, weight_grad: bool):
-    """``op.input_quantizer()``, told whether the op computes a weight gradient in this plan."""
-    return _told(op.input_quantizer(), weight_grad)
-
-
-def _grad_quantizer(op: BasicOperation, weight_grad: bool):
-    """``op.grad_output_quantizer()``, told whether the op computes a weight gradient."""
-    return _told(op.grad_output_quantizer(), weight_grad)
-
-
-def _told(q, weight_grad: bool):
-    if q is not None and hasattr(q, "colwise"):
-        q.colwise = weight_grad
-    return q
 
 
 class _BackwardContext:

@@ -1,0 +1,67 @@
+"""Per-call helpers of :class:`~fusible_ops.fuser.OperationFuser` (kept apart so the fuser stays
+one screenful of planning and running): how each parameter is read, how repeated tensors reach
+the autograd function, and the quantizer hand-off told about weight gradients."""
+
+from __future__ import annotations
+
+import torch
+
+
+def distinct(x: torch.Tensor, args: list) -> list:
+    """``args`` with every tensor that is ``x`` or an earlier argument replaced by an alias
+    (``view_as``): the same tensor twice (x as residual, tied weights) must reach the autograd
+    function as distinct inputs."""
+    args, seen = list(args), {id(x)}
+    for i, t in enumerate(args):
+        if isinstance(t, torch.Tensor):
+            if id(t) in seen:
+                args[i] = t.view_as(t)
+            else:
+                seen.add(id(t))
+    return args
+
+
+def reader(module: torch.nn.Module, name: str) -> tuple:
+    """``(dict, name)`` such that ``dict[name]`` is ``getattr(module, name)`` while the module's
+    state is what it is now: its ``_parameters`` (the entry ``functional_call`` swaps), its
+    ``_buffers`` or its ``__dict__``; for anything else (a property) a one-entry dict holding the
+    value would go stale, so such a slot keeps ``getattr`` through :class:`_GetAttr`."""
+    d = module.__dict__
+    if name not in d:
+        for store in (d.get("_parameters"), d.get("_buffers")):
+            if store is not None and name in store:
+                return store, name
+    elif not hasattr(type(module), name):
+        return d, name
+    return _GetAttr(module), name
+
+
+class _GetAttr:
+    """``_GetAttr(m)[name]`` is ``getattr(m, name)`` (a slot with no dict to read)."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module) -> None:
+        self.module = module
+
+    def __getitem__(self, name: str):
+        return getattr(self.module, name)
+
+
+def input_quantizer(op, weight_grad: bool):
+    """``op.input_quantizer()``, told whether the op computes a weight gradient in this plan."""
+    return _told(op.input_quantizer(), weight_grad)
+
+
+def grad_quantizer(op, weight_grad: bool):
+    """``op.grad_output_quantizer()``, told whether the op computes a weight gradient."""
+    return _told(op.grad_output_quantizer(), weight_grad)
+
+
+def _told(q, weight_grad: bool):
+    if q is not None and hasattr(q, "colwise"):
+        q.colwise = weight_grad
+    return q
+
+
+__all__ = ["distinct", "grad_quantizer", "input_quantizer", "reader"]
