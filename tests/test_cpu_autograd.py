@@ -97,14 +97,20 @@ CASES = {  # name -> (make(dtype) -> (Sequential, inputs), rule expected in the 
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_native_matches_own_backward(name):
+def _case(name):
+    """(Sequential, inputs, expected rule) of a case in float64, parameters drawn in [0.5, 1.5]."""
     make, rule = CASES[name]
     torch.manual_seed(0)
     seq, inputs = make(F64)
     with torch.no_grad():
         for p in seq.parameters():
             p.uniform_(0.5, 1.5)
+    return seq, inputs, rule
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_native_matches_own_backward(name):
+    seq, inputs, rule = _case(name)
     assert _compare(seq, inputs), f"{name}: the default CPU call did not run under PyTorch's autograd"
     if rule is not None:  # the plan is the same either way: the fusion happened
         assert rule in [g["rule"] for g in seq.fusion_plan()]
@@ -120,12 +126,18 @@ def test_native_float32_against_float64(name):
     seq64, in64 = make(F64)
     seq64.load_state_dict({k: v.to(F64) for k, v in seq32.state_dict().items()})
     in64 = [t.detach().to(F64).requires_grad_(t.requires_grad) for t in in32]
-    outs, grads, fn = _run(seq32, in32)
+    _against_reference(seq32, in32, seq64, in64, torch.float32)
+
+
+def _against_reference(seq, inputs, ref_seq, ref_inputs, dtype):
+    """``seq`` runs under PyTorch's autograd and matches ``ref_seq``'s float64 run through the
+    ops' own backward (table tolerance of ``dtype``)."""
+    outs, grads, fn = _run(seq, inputs)
     assert not fn
     with fuser_mod.cpu_autograd(False):
-        ref_outs, ref_grads, _ = _run(seq64, in64)
+        ref_outs, ref_grads, _ = _run(ref_seq, ref_inputs)
     for a, e in zip(outs + grads, ref_outs + ref_grads):
-        assert_close(a, e, torch.float32)
+        assert_close(a, e, dtype)
 
 
 def _contract_run(native: bool, mode: str):
@@ -345,12 +357,7 @@ def test_checkpoint_double_backward_and_retain_graph():
 
 # ---------------------------------------------------------------- small CUDA calls (fuser.NATIVE_MAX_NUMEL)
 def _cuda_case(name, dtype):
-    make, rule = CASES[name]
-    torch.manual_seed(0)
-    seq, inputs = make(F64)
-    with torch.no_grad():
-        for p in seq.parameters():
-            p.uniform_(0.5, 1.5)
+    seq, inputs, rule = _case(name)
     on_cuda = copy.deepcopy(seq).to("cuda", dtype)
     cuda_inputs = [t.detach().to("cuda", dtype).requires_grad_(t.requires_grad) for t in inputs]
     return (seq, inputs), (on_cuda, cuda_inputs), rule
@@ -375,12 +382,7 @@ def test_small_cuda_calls_bf16_against_float64(name, monkeypatch):
     backward on CPU), with the table's bf16 tolerance."""
     monkeypatch.setattr(fuser_mod, "NATIVE_MAX_NUMEL", 1 << 16)
     (ref_seq, ref_in), (seq, inputs), _ = _cuda_case(name, torch.bfloat16)
-    outs, grads, fn = _run(seq, inputs)
-    assert not fn
-    with fuser_mod.cpu_autograd(False):
-        ref_outs, ref_grads, _ = _run(ref_seq, ref_in)
-    for a, e in zip(outs + grads, ref_outs + ref_grads):
-        assert_close(a, e, torch.bfloat16)
+    _against_reference(seq, inputs, ref_seq, ref_in, torch.bfloat16)
 
 
 @pytest.mark.gpu
