@@ -134,7 +134,6 @@ class Sequential(torch.nn.Module):
 
     def _invalidate(self) -> None:
         self._stages = None
-        self.__dict__["_fast"] = None
 
     # torch.nn.Module's own ways of setting, swapping or removing a module replan too
     def __setattr__(self, name: str, value) -> None:
@@ -199,10 +198,16 @@ class Sequential(torch.nn.Module):
 
     # -- stages ----------------------------------------------------------------------------
     def _hook_signature(self):
-        """Which modules have hooks now (global module hooks: all of them)."""
+        """Which modules have hooks now: ``True`` under global module hooks (all of them), ``False``
+        when none has any (the common case: one pass over the modules, nothing built), else one
+        flag per module. Checked on every call."""
         if _global_hooks():
             return True
-        return tuple([_has_hooks(m) for m in self._modules.values()])
+        mods = self._modules.values()
+        for m in mods:
+            if _has_hooks(m):
+                return tuple([_has_hooks(m) for m in mods])
+        return False
 
     def _get_stages(self) -> list:
         """Consecutive fusible modules grouped into fusers: list of (stage, module indices), a
@@ -210,7 +215,7 @@ class Sequential(torch.nn.Module):
         Rebuilt when a module gains or loses hooks."""
         sig = self._hook_signature()
         if self._stages is None or sig != self._hook_sig:
-            hooked = [True] * len(self._modules) if sig is True else sig
+            hooked = [sig] * len(self._modules) if type(sig) is bool else sig
             stages, run, run_idx = [], [], []
 
             def close_run():
@@ -233,23 +238,9 @@ class Sequential(torch.nn.Module):
             self._needed = sum(s.num_extra_inputs for s, _ in stages if isinstance(s, (OperationFuser, _Alone)))
             # one fuser and nothing else: calls go straight to it (the common case, host time)
             self._only = stages[0][0] if len(stages) == 1 and isinstance(stages[0][0], OperationFuser) else None
-            # ... and, while no module has hooks, without rebuilding the hook signature (see forward)
-            self.__dict__["_fast"] = ((self._only, tuple(self._modules.values()))
-                                      if self._only is not None and sig is not True and not any(sig) else None)
         return self._stages
 
     def forward(self, x: torch.Tensor, *extra_inputs):
-        fast = self.__dict__.get("_fast")
-        if fast is not None and not _global_hooks():
-            # The common case in one pass: one fuser runs the chain and no module has gained hooks
-            # since the stages were built (a module with hooks would need its own stage).
-            for m in fast[1]:
-                if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-                    break
-            else:
-                if len(extra_inputs) != self._needed:
-                    raise TypeError(f"Sequential expected {self._needed} extra input(s) after x, got {len(extra_inputs)}")
-                return fast[0](x, *extra_inputs)
         stages = self._get_stages()
         if len(extra_inputs) != self._needed:
             raise TypeError(f"Sequential expected {self._needed} extra input(s) after x, got {len(extra_inputs)}")
