@@ -95,8 +95,8 @@ class Plan:
     # of the plan key); backward returns None for the others
     extra_keep: tuple
     param_keep: tuple
-    # CPU training call whose forward steps are all ``cpu_autograd`` ops: runs under PyTorch's
-    # autograd (see CPU_AUTOGRAD), the contract weights of flagged ops through grad.gate_weights
+    # training call (CPU, or CUDA up to NATIVE_MAX_NUMEL input elements) whose forward steps are all
+    # ``cpu_autograd`` ops: runs under PyTorch's autograd (see CPU_AUTOGRAD), the contract weights of flagged ops through grad.gate_weights
     # (``gated``: its arguments), every trainable contract weight's when delayed_wgrad() is active
     # at forward (``gated_all``); None for every other plan and when there is no such weight
     cpu_autograd: bool = False
@@ -374,12 +374,13 @@ class OperationFuser:
                 and _forward_ad._current_level < 0 and not _is_compiling() and not _transforms_active()):
             # No gradient anywhere (no_grad / inference, or nothing requires grad): the steps run
             # as they would inside the autograd function, without the function (no node to build).
-            # A CPU plan of plain differentiable steps runs the same way with autograd recording
-            # (not for an FP8 input: its dequantization is not differentiable).
+            # A plan of plain differentiable steps runs the same way with autograd recording, on
+            # CPU and for small CUDA inputs (not for an FP8 input: its dequantization is not
+            # differentiable).
             # (Not under forward-mode AD: the kernels would drop the tangents; the function raises.)
             ctxs = [OperationContext() for _ in plan.ctx_flags]
             gated = plan.gated
-            if plan.gated_all is not None and scheduler_active():  # (only CPU autograd plans have one)
+            if plan.gated_all is not None and scheduler_active():  # (only cpu_autograd plans have one)
                 gated = plan.gated_all  # (inside delayed_wgrad(): every contract weight through the gate)
             if gated is not None:
                 gate_weights(gated, ctxs, params)

@@ -186,8 +186,8 @@ def deliver_weight_grad(op, param: torch.Tensor, compute: WgradCompute) -> Optio
 
 
 class ContractGate(torch.autograd.Function):
-    """Identity on contract weights, for a CPU call that runs under PyTorch's own autograd
-    (:data:`fusible_ops.fuser.CPU_AUTOGRAD`), on the weights of ops with
+    """Identity on contract weights, for a call that runs under PyTorch's own autograd
+    (:data:`fusible_ops.fuser.CPU_AUTOGRAD`: CPU, small CUDA inputs), on the weights of ops with
     ``accumulate_into_main_grad`` or ``delay_wgrad_compute`` (on every trainable contract weight
     when :func:`delayed_wgrad` is active at forward; plain-mode weights otherwise go to autograd's
     ``.grad`` accumulation, hooked by :func:`delayed_wgrad` while it is active, because an autograd
@@ -237,12 +237,12 @@ def _computed(g: torch.Tensor) -> WgradCompute:
 # case delayed_wgrad() hooks, while it is active, the AccumulateGrad node of every plain-mode
 # weight of the fusers that ran such calls (see watch_plain_weights), and the hook delivers the
 # gradient through deliver_weight_grad (queued) in place of accumulating it.
-_watched = weakref.WeakSet()  # fusers whose CPU-autograd plans leave plain-mode weights ungated
+_watched = weakref.WeakSet()  # fusers whose cpu_autograd plans leave plain-mode weights ungated
 _late_handles: list = []
 
 
 def watch_plain_weights(fuser) -> None:
-    """Register a fuser whose CPU-autograd plans leave plain-mode contract weights ungated (once
+    """Register a fuser whose cpu_autograd plans leave plain-mode contract weights ungated (once
     per plan made): :func:`delayed_wgrad` hooks their weights while it is active."""
     _watched.add(fuser)
 

@@ -56,7 +56,7 @@ class OperationContext:
 
     Ops may set any other attribute they need in backward.
 
-    ``gated_weight``: on a CPU call under PyTorch's autograd, the alias of a weight-owning op's
+    ``gated_weight``: on a call under PyTorch's autograd (CPU, small CUDA inputs), the alias of a weight-owning op's
     contract weight that the op must compute with (see :class:`fusible_ops.grad.ContractGate`);
     None otherwise.
     """
@@ -93,10 +93,12 @@ class FusibleOperation(torch.nn.Module):
     state_version: int = 0  # bumped by every attribute assignment (part of the plan key)
 
     cpu_autograd: bool = False
-    """True when, on CPU, this op's ``fuser_forward`` is plain differentiable PyTorch whose autograd
+    """True when, on the reference path (CPU; CUDA in ``kernels.use("reference")``), this op's
+    ``fuser_forward`` is plain differentiable PyTorch whose autograd
     gradients (of the input, extra inputs and parameters) are what its backward computes, and
     its outputs do not depend on the ctx flags. A CPU training call whose forward steps are all
-    such ops then runs under PyTorch's own autograd (:data:`fusible_ops.fuser.CPU_AUTOGRAD`): no
+    such ops then runs under PyTorch's own autograd (:data:`fusible_ops.fuser.CPU_AUTOGRAD`; also a
+    small CUDA call, :data:`fusible_ops.fuser.NATIVE_MAX_NUMEL`): no
     autograd function, no ``fuser_backward``. A :class:`~fusible_ops.grad.WeightGradMixin` op that
     sets it computes with ``ctx.gated_weight`` when that is set (its trainable ``weight`` may go
     through :class:`~fusible_ops.grad.ContractGate`, which keeps the gradient contract)."""

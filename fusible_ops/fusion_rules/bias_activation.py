@@ -28,7 +28,7 @@ from ..op import FusedOperation
 from ..ops.activation import ACTIVATION_CLASSES, Activation
 from ..ops.linear import BasicLinear, Bias
 from ..ops.misc import Dropout
-from ..ops.validation import check_input, native_dtype_ok, other_device
+from ..ops.validation import check_input, native_dtype_ok
 from ..quantization.recipes import current_recipe
 from ..quantization.tensor import Float8Tensor
 from ..rules import match, rule
@@ -120,10 +120,9 @@ class ForwardLinearBiasActivation(FusedOperation):
         b = None
         if bias is not None:
             b = bias.bias
-            gd = x.get_device()
-            if (b.dtype is not x.dtype or b.shape[0] != lin.out_features or b.get_device() != gd
-                    or (gd < 0 and other_device(b, x))):
-                bias.check_input(x, shape=(*x.shape[:-1], lin.out_features))  # (raises the clear error)
+            if bias.size != lin.out_features:  # (else the output's last dim is the bias's size)
+                bias.check_input(x, shape=(*x.shape[:-1], lin.out_features))  # (raises)
+            check_input(bias, x, like=b)  # dtype and device of the bias
         z = torch._C._nn.linear(x, w, b)  # (F.linear)
         return z if act is None else act_native(z, act.kind)
 

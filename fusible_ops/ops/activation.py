@@ -54,8 +54,8 @@ class Activation(BasicOperation):
     def op_forward(self, ctx, x, **kwargs):
         self.check_input(x)
         if not ctx.requires_grad and native_dtype_ok(x, self.gated) and not use_triton(x):
-            # Reference math with no ctx to fill (a CPU call under PyTorch's autograd, or
-            # inference): torch's ops in x's dtype, without the kernel API's checks and casts
+            # Reference math with no ctx to fill (a call under PyTorch's autograd, or inference):
+            # torch's ops in x's dtype, without the kernel API's checks and casts
             return act_native(x, self.kind)
         y = _K.bias_act_fwd(x, None, self.kind)
         self.save_ctx(ctx, x)

@@ -57,7 +57,7 @@ class _Norm(BasicOperation):
         bias = None if self._IS_RMS else self.bias
         if (not ctx.requires_grad and quant is None and x.dtype in _NATIVE_DTYPES and w.dtype is x.dtype
                 and (bias is None or bias.dtype is x.dtype) and not use_triton(x, w)):
-            # Reference math that keeps no statistics (a CPU call under PyTorch's autograd, or
+            # Reference math that keeps no statistics (a call under PyTorch's autograd, or
             # inference): torch's own norm, same math in x's dtype (fp32, or fp64), one op where
             # the reference formula takes six (and, under autograd, its fused backward).
             xsum = x if residual is None else x + residual

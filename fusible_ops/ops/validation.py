@@ -35,7 +35,7 @@ def check_input(op, x: torch.Tensor, *, features: Optional[int] = None, like: Op
         raise ValueError(f"{type(op).__name__}: input's last dim must be {features}, got shape {list(shape)}")
     if like is not None:
         gd = x.get_device()  # (an int: cheaper than comparing devices; -1 off CUDA)
-        if gd != like.get_device() or (gd < 0 and other_device(x, like)):
+        if gd != like.get_device() or (gd < 0 and _other_device(x, like)):
             raise RuntimeError(f"{type(op).__name__}: input is on {x.device} but the op's parameters are on {like.device}")
         if same_dtype and x.dtype != like.dtype:
             raise TypeError(f"{type(op).__name__}: input dtype {x.dtype} does not match parameter dtype {like.dtype}")
@@ -47,7 +47,7 @@ def check_same(op, what: str, t: torch.Tensor, x: torch.Tensor, *, shape: bool =
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: {what} must be a tensor, got {type(t).__name__}")
     gd = t.get_device()  # (as in check_input)
-    if gd != x.get_device() or (gd < 0 and other_device(t, x)):
+    if gd != x.get_device() or (gd < 0 and _other_device(t, x)):
         raise RuntimeError(f"{name}: {what} is on {t.device} but the input is on {x.device}")
     if t.dtype != x.dtype:
         raise TypeError(f"{name}: {what} dtype {t.dtype} does not match input dtype {x.dtype}")
@@ -55,7 +55,7 @@ def check_same(op, what: str, t: torch.Tensor, x: torch.Tensor, *, shape: bool =
         raise ValueError(f"{name}: {what} shape {list(t.shape)} does not match input shape {list(x.shape)}")
 
 
-def other_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _other_device(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors off CUDA (``get_device() == -1`` for both) are on different devices:
     two CPU tensors without building device objects (host time), others by their devices."""
     if a.is_cpu:
