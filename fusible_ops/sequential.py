@@ -25,8 +25,11 @@ def _has_hooks(m: torch.nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
 
 
+_HOOK_MODULE = torch.nn.modules.module  # (holds torch's global module-hook dicts)
+
+
 def _global_hooks() -> bool:
-    g = torch.nn.modules.module
+    g = _HOOK_MODULE
     return bool(g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
                 or g._global_backward_pre_hooks)
 
@@ -201,11 +204,13 @@ class Sequential(torch.nn.Module):
         """Which modules have hooks now: ``True`` under global module hooks (all of them), ``False``
         when none has any (the common case: one pass over the modules, nothing built), else one
         flag per module. Checked on every call."""
-        if _global_hooks():
+        g = _HOOK_MODULE
+        if g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks or \
+                g._global_backward_pre_hooks:  # (_global_hooks(), inline: this runs on every call)
             return True
         mods = self._modules.values()
         for m in mods:
-            if _has_hooks(m):
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:  # (_has_hooks)
                 return tuple([_has_hooks(m) for m in mods])
         return False
 
