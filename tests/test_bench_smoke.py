@@ -44,7 +44,9 @@ def test_quick_run_writes_rows_with_all_fields(tmp_path, capsys):
         assert r["status"] == "ok", r
         assert r["device"] and r["torch_version"] == torch.__version__ and r["date_utc"]
         assert r["median_ms"] > 0 and r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
-        assert r["pct_of_ceiling"] > 0
+        assert r["pct_of_ceiling"] > 0 and r["queue_ahead"] is False
+        if r["case"] != "ceiling":
+            assert 0 < r["host_ms"] <= r["p80_ms"]  # (CPU: the host time is the time)
         if r["case"] != "ceiling":
             assert r["metric"] == "bytes" and r["gbps"] > 0 and r["speedup_vs_eager"] > 0
             assert r["rel_err"] < 2e-2 and r["dtype"] == "bfloat16"
@@ -52,7 +54,7 @@ def test_quick_run_writes_rows_with_all_fields(tmp_path, capsys):
     assert "bias_activation" in fused["rules_forward"]
     assert "activation_bias_backward" in fused["rules_backward"]
     table = capsys.readouterr().out
-    assert "| bias_gelu |" in table and "| median ms |" in table
+    assert "| bias_gelu |" in table and "| median ms |" in table and "| host ms |" in table
 
 
 def test_missing_rule_blocks_timing(tmp_path, monkeypatch):
@@ -67,6 +69,30 @@ def test_missing_rule_blocks_timing(tmp_path, monkeypatch):
     _, rows = _read(out)
     fused = next(r for r in rows if (r["case"], r["variant"]) == ("bias_gelu", "fused"))
     assert fused["status"].startswith("error") and fused["median_ms"] is None
+
+
+@pytest.mark.gpu
+def test_queue_ahead_times_device_work_alone():
+    """``--queue-ahead``: a call whose host issue far outlasts its device work (a host sleep, then
+    one tiny kernel) is timed at its device time, not its host time, and the spin is calibrated."""
+    import time
+
+    from fusible_ops.bench.harness import Timer
+
+    dev = torch.device("cuda")
+    x = torch.randn(1024, device=dev)
+
+    def host_bound(i):
+        time.sleep(0.002)  # 2 ms on the host
+        x.mul_(1.0)
+
+    plain = Timer(dev, 5.0, 40.0).time(host_bound)
+    queued = Timer(dev, 5.0, 40.0, queue_ahead=True)
+    t = queued.time(host_bound)
+    assert plain.median_ms > 1.5 and plain.host_ms > 1.5  # events saw the host's 2 ms
+    assert t.host_ms > 1.5 and t.median_ms < 0.5  # the device's own time: one tiny kernel
+    assert queued.spin_cycles_per_ms() > 1e5  # (a GPU clock above 100 MHz)
+    assert Timer(torch.device("cpu"), 1.0, 1.0, queue_ahead=True).queue_ahead is False
 
 
 def test_list_and_unknown_case(capsys):

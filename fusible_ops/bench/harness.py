@@ -4,7 +4,14 @@
   ``torch.autograd.grad``, so no ``.grad`` accumulation pass is timed). Inputs are rotated among
   ``n_copies`` copies so the L2 cache does not flatter a case (enough copies that the rotated
   set exceeds 2x L2, at least 2). CUDA: one pair of ``torch.cuda.Event`` per call after a
-  warm-up of ``--warmup-ms``, for ``--rep-ms``; median, p20 and p80 of the per-call times.
+  warm-up of ``--warmup-ms``, for ``--rep-ms``; median, p20 and p80 of the per-call times, and
+  the median host time to issue one call (``host ms``: a row whose host ms reaches its median is
+  host-bound, and its event times are the host's, jitter included; a device-bound row's host ms
+  can include waits on a full launch queue).
+  ``--queue-ahead``: each timed call is queued behind a GPU spin (``torch.cuda._sleep``) that
+  outlasts three times its host issue time, so its kernels run back to back and the events time
+  the device work alone (the kernels' own time, for host-bound rows too; host time is what
+  ``host_overhead`` measures).
   CPU: the same loop with ``time.perf_counter`` (for smoke tests only).
 * Ceilings, measured in the same run: device-to-device copy bandwidth (``dst.copy_(src)`` of
   1 GiB, bytes read + written) and the dense bf16 matmul rate (8192^3 ``torch.mm`` on random
@@ -51,7 +58,7 @@ MM_CEILING_N = 8192
 
 FIELDS = [
     "device", "torch_version", "triton_version", "date_utc", "case", "config", "variant", "shape", "dtype",
-    "status", "median_ms", "p20_ms", "p80_ms", "n_iters", "n_copies", "metric", "bytes", "flops", "gbps",
+    "status", "median_ms", "p20_ms", "p80_ms", "host_ms", "queue_ahead", "n_iters", "n_copies", "metric", "bytes", "flops", "gbps",
     "tflops", "ceiling", "pct_of_ceiling", "speedup_vs_eager", "speedup_vs_grouped_mm", "rel_err",
     "rules_forward", "rules_backward", "expected_rules", "first_call_s", "copy_gbps", "matmul_tflops",
     "quick", "note",
@@ -75,11 +82,13 @@ class Timing:
     p20_ms: float
     p80_ms: float
     n_iters: int
+    host_ms: Optional[float] = None  # median host time to issue one call
 
     @classmethod
-    def from_times(cls, times_ms: Sequence[float]) -> "Timing":
+    def from_times(cls, times_ms: Sequence[float], host_ms: Optional[Sequence[float]] = None) -> "Timing":
         s = sorted(times_ms)
-        return cls(percentile(s, 50), percentile(s, 20), percentile(s, 80), len(s))
+        host = percentile(sorted(host_ms), 50) if host_ms else None
+        return cls(percentile(s, 50), percentile(s, 20), percentile(s, 80), len(s), host)
 
 
 def n_copies_for(copy_bytes: int, device: torch.device, l2_bytes: Optional[int] = None) -> int:
@@ -99,14 +108,34 @@ def l2_cache_bytes(device: torch.device) -> int:
     return DEFAULT_L2_BYTES
 
 
-class Timer:
-    """Times ``fn(i)`` (``i`` = a running call counter, for rotating inputs)."""
+SPIN_MARGIN_MS = 0.05  # added to the spin of --queue-ahead beyond 3x the host issue time
 
-    def __init__(self, device: torch.device, warmup_ms: float, rep_ms: float) -> None:
+
+class Timer:
+    """Times ``fn(i)`` (``i`` = a running call counter, for rotating inputs). ``queue_ahead``
+    (CUDA): each timed call waits on the device behind a spin that outlasts its host issue time,
+    so the events time the device work alone."""
+
+    def __init__(self, device: torch.device, warmup_ms: float, rep_ms: float, queue_ahead: bool = False) -> None:
         self.device = device
         self.warmup_ms = float(warmup_ms)
         self.rep_ms = float(rep_ms)
+        self.queue_ahead = bool(queue_ahead) and device.type == "cuda"
         self._i = 0
+        self._cycles_per_ms: Optional[float] = None
+
+    def spin_cycles_per_ms(self) -> float:
+        """GPU clock cycles of ``torch.cuda._sleep`` per millisecond, measured once."""
+        if self._cycles_per_ms is None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            cycles = 10**7
+            torch.cuda._sleep(cycles)  # (warm: clocks up, module loaded)
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            self.sync()
+            self._cycles_per_ms = cycles / max(start.elapsed_time(end), 1e-3)
+        return self._cycles_per_ms
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -133,22 +162,35 @@ class Timer:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         n_est = 3
         start.record()
+        t0 = time.perf_counter()
         for _ in range(n_est):
             self._call(fn)
+        host_est = (time.perf_counter() - t0) * 1e3 / n_est
         end.record()
         self.sync()
         est = start.elapsed_time(end) / n_est
+        spin = 0
+        if self.queue_ahead:  # the spin covers the issue of the events and the call
+            spin_ms = 3 * host_est + SPIN_MARGIN_MS
+            spin = int(spin_ms * self.spin_cycles_per_ms())
+            est += spin_ms
         n_warm, n_rep = self._counts(est, MIN_REP_ITERS_CUDA)
         for _ in range(n_warm):
             self._call(fn)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+        host = [0.0] * n_rep
+        clock = time.perf_counter
         for k in range(n_rep):
+            if spin:
+                torch.cuda._sleep(spin)
             starts[k].record()
+            t0 = clock()
             self._call(fn)
+            host[k] = (clock() - t0) * 1e3
             ends[k].record()
         self.sync()
-        return Timing.from_times([s.elapsed_time(e) for s, e in zip(starts, ends)])
+        return Timing.from_times([s.elapsed_time(e) for s, e in zip(starts, ends)], host)
 
     def _time_cpu(self, fn) -> Timing:
         t0 = time.perf_counter()
@@ -162,7 +204,7 @@ class Timer:
             t0 = time.perf_counter()
             self._call(fn)
             times.append((time.perf_counter() - t0) * 1e3)
-        return Timing.from_times(times)
+        return Timing.from_times(times, times)
 
 
 # --------------------------------------------------------------------------------------- ceilings
@@ -258,10 +300,14 @@ def markdown_table(rows: list[dict], meta: dict) -> str:
         "",
         f"Ceilings (same run): copy {meta['copy_gbps']:.0f} GB/s (read + write), "
         f"bf16 matmul {meta['matmul_tflops']:.1f} TFLOP/s ({meta['matmul_n']}^3 torch.mm).",
+        "Times: device time, each call queued behind a GPU spin (--queue-ahead); host ms = host time to issue "
+        "one call while the device is busy (not the eager host cost: see host_overhead)." if meta.get("queue_ahead") else
+        "Times: as issued (a row whose host ms reaches its median ms is host-bound); host ms = host time to "
+        "issue one call.",
         "",
-        "| case | config | variant | shape | median ms | p20-p80 ms | GB/s | TFLOP/s | % of ceiling "
+        "| case | config | variant | shape | median ms | p20-p80 ms | host ms | GB/s | TFLOP/s | % of ceiling "
         "| vs eager | vs _grouped_mm | rules (fwd / bwd) | status |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         rules = ""
@@ -276,7 +322,7 @@ def markdown_table(rows: list[dict], meta: dict) -> str:
         pct = "" if r.get("pct_of_ceiling") is None else f"{r['pct_of_ceiling']:.1f}%"
         lines.append(
             f"| {r['case']} | {r.get('config') or ''} | {r['variant']} | {r.get('shape') or ''} "
-            f"| {_fmt(r.get('median_ms'))} | {p} | {_fmt(r.get('gbps'), 0)} | {_fmt(r.get('tflops'), 1)} | {pct} "
+            f"| {_fmt(r.get('median_ms'))} | {p} | {_fmt(r.get('host_ms'))} | {_fmt(r.get('gbps'), 0)} | {_fmt(r.get('tflops'), 1)} | {pct} "
             f"| {spd(r.get('speedup_vs_eager'))} | {spd(r.get('speedup_vs_grouped_mm'))} | {rules} | {r['status']} |"
         )
     return "\n".join(lines)
@@ -426,7 +472,8 @@ def run_bench(bench, timer: Timer, ceilings: Ceilings, meta: dict, device: torch
             rows.append(row)
             free_memory(device)
             continue
-        row.update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, n_iters=t.n_iters)
+        row.update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, n_iters=t.n_iters, host_ms=t.host_ms,
+                   queue_ahead=timer.queue_ahead)
         if bench.metric == "bytes":
             row["gbps"] = bench.work / (t.median_ms * 1e-3) / 1e9
             row["pct_of_ceiling"] = 100.0 * row["gbps"] / ceilings.copy_gbps
@@ -436,7 +483,7 @@ def run_bench(bench, timer: Timer, ceilings: Ceilings, meta: dict, device: torch
             row["pct_of_ceiling"] = 100.0 * row["tflops"] / ceilings.matmul_tflops
             rate = f"{row['tflops']:.1f} TFLOP/s"
         _log(
-            f"{label}: {t.median_ms:.3f} ms (p20 {t.p20_ms:.3f}, p80 {t.p80_ms:.3f}, {t.n_iters} iters, "
+            f"{label}: {t.median_ms:.3f} ms (p20 {t.p20_ms:.3f}, p80 {t.p80_ms:.3f}, host {t.host_ms:.3f}, {t.n_iters} iters, "
             f"{n_copies} copies) {rate} = {row['pct_of_ceiling']:.1f}% of {ceiling_name}; "
             f"rel err {err:.2e}; first call {first:.2f} s"
         )
@@ -476,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of variants to run (the case's eager baseline always runs), "
                         "e.g. fused,grouped_mm")
     p.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
+    p.add_argument("--queue-ahead", action="store_true",
+                   help="CUDA: queue each timed call behind a GPU spin longer than its host issue time, so the "
+                        "events time the device work alone (host-bound rows then show their kernels' time)")
     p.add_argument("--pin", action="store_true",
                    help="host_overhead on CUDA: pin this process to one CPU core (Linux) for steadier host times")
     return p
@@ -511,7 +561,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tv, trv = _versions()
     now = datetime.datetime.now(datetime.timezone.utc)
     stamp = now.strftime("%Y%m%dT%H%M%SZ")
-    timer = Timer(device, args.warmup_ms, args.rep_ms)
+    timer = Timer(device, args.warmup_ms, args.rep_ms, queue_ahead=args.queue_ahead)
     t_start = time.perf_counter()
     _log(f"fusible_ops.bench on {device_name(device)} (torch {tv}, triton {trv}); measuring ceilings ...")
     ceilings = measure_ceilings(device, timer, quick=args.quick)
@@ -519,6 +569,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta = dict(
         device=device_name(device), torch_version=tv, triton_version=trv, date_utc=now.isoformat(timespec="seconds"),
         copy_gbps=ceilings.copy_gbps, matmul_tflops=ceilings.matmul_tflops, quick=bool(args.quick),
+        queue_ahead=timer.queue_ahead,
     )
     rows: list[dict] = []
     for variant, t, value, metric in (("copy_bandwidth", ceilings.copy_timing, ceilings.copy_gbps, "bytes"),
