@@ -70,8 +70,8 @@ def main() -> None:
     plain = list(now_host._workloads(dev, dtype, small))
     what = "forward (no_grad)" if args.no_grad else "fwd+bwd"
     print(f"host us per {what}, median [p20, p80], {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'}")
-    for (name, _, b_mod, b_args, _, _, dy), (_, _, a_mod, a_args, _, _, _), (_, _, _, _, peer, p_args, _) in zip(
-            before, after, plain):
+    for b_w, a_w, p_w in zip(before, after, plain):  # (older trees yield 7-tuples, newer 8)
+        (name, _, b_mod, b_args, _, _, dy), (a_mod, a_args), (peer, p_args) = b_w[:7], a_w[2:4], p_w[4:6]
         if args.no_grad:
             fns = [_no_grad(b_mod, b_args), _no_grad(a_mod, a_args), _no_grad(peer, p_args)]
         else:
