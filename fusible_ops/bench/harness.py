@@ -58,7 +58,8 @@ MM_CEILING_N = 8192
 
 FIELDS = [
     "device", "torch_version", "triton_version", "date_utc", "case", "config", "variant", "shape", "dtype",
-    "status", "median_ms", "p20_ms", "p80_ms", "host_ms", "queue_ahead", "n_iters", "n_copies", "metric", "bytes", "flops", "gbps",
+    "status", "median_ms", "p20_ms", "p80_ms", "host_ms", "queue_ahead", "pinned", "n_iters", "n_copies", "metric",
+    "bytes", "flops", "gbps",
     "tflops", "ceiling", "pct_of_ceiling", "speedup_vs_eager", "speedup_vs_grouped_mm", "rel_err",
     "rules_forward", "rules_backward", "expected_rules", "first_call_s", "copy_gbps", "matmul_tflops",
     "quick", "note",
@@ -237,6 +238,17 @@ def measure_ceilings(device: torch.device, timer: Timer, quick: bool = False) ->
     return Ceilings(copy_gbps, tflops, t_copy, t_mm, nbytes, n)
 
 
+def pin_to_one_core(device: torch.device, enabled: bool) -> str:
+    """``--pin`` (CUDA, Linux): run this process on one CPU core, for steadier host times (on CPU
+    the math's intra-op threads would share that core, so it is not done there). Returns a note
+    for the report (empty when not pinned)."""
+    if not enabled or device.type != "cuda" or not hasattr(os, "sched_setaffinity"):
+        return ""
+    core = max(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {core})
+    return f", pinned to CPU {core}"
+
+
 def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -300,10 +312,12 @@ def markdown_table(rows: list[dict], meta: dict) -> str:
         "",
         f"Ceilings (same run): copy {meta['copy_gbps']:.0f} GB/s (read + write), "
         f"bf16 matmul {meta['matmul_tflops']:.1f} TFLOP/s ({meta['matmul_n']}^3 torch.mm).",
-        "Times: device time, each call queued behind a GPU spin (--queue-ahead); host ms = host time to issue "
-        "one call while the device is busy (not the eager host cost: see host_overhead)." if meta.get("queue_ahead") else
-        "Times: as issued (a row whose host ms reaches its median ms is host-bound); host ms = host time to "
-        "issue one call.",
+        ("Host: pinned to one CPU core (--pin). " if meta.get("pinned") else "") + (
+            "Times: device time, each call queued behind a GPU spin (--queue-ahead); host ms = host time to "
+            "issue one call while the device is busy (not the eager host cost: see host_overhead)."
+            if meta.get("queue_ahead") else
+            "Times: as issued (a row whose host ms reaches its median ms is host-bound); host ms = host time "
+            "to issue one call."),
         "",
         "| case | config | variant | shape | median ms | p20-p80 ms | host ms | GB/s | TFLOP/s | % of ceiling "
         "| vs eager | vs _grouped_mm | rules (fwd / bwd) | status |",
@@ -322,7 +336,8 @@ def markdown_table(rows: list[dict], meta: dict) -> str:
         pct = "" if r.get("pct_of_ceiling") is None else f"{r['pct_of_ceiling']:.1f}%"
         lines.append(
             f"| {r['case']} | {r.get('config') or ''} | {r['variant']} | {r.get('shape') or ''} "
-            f"| {_fmt(r.get('median_ms'))} | {p} | {_fmt(r.get('host_ms'))} | {_fmt(r.get('gbps'), 0)} | {_fmt(r.get('tflops'), 1)} | {pct} "
+            f"| {_fmt(r.get('median_ms'))} | {p} | {_fmt(r.get('host_ms'))} | {_fmt(r.get('gbps'), 0)} "
+            f"| {_fmt(r.get('tflops'), 1)} | {pct} "
             f"| {spd(r.get('speedup_vs_eager'))} | {spd(r.get('speedup_vs_grouped_mm'))} | {rules} | {r['status']} |"
         )
     return "\n".join(lines)
@@ -483,8 +498,8 @@ def run_bench(bench, timer: Timer, ceilings: Ceilings, meta: dict, device: torch
             row["pct_of_ceiling"] = 100.0 * row["tflops"] / ceilings.matmul_tflops
             rate = f"{row['tflops']:.1f} TFLOP/s"
         _log(
-            f"{label}: {t.median_ms:.3f} ms (p20 {t.p20_ms:.3f}, p80 {t.p80_ms:.3f}, host {t.host_ms:.3f}, {t.n_iters} iters, "
-            f"{n_copies} copies) {rate} = {row['pct_of_ceiling']:.1f}% of {ceiling_name}; "
+            f"{label}: {t.median_ms:.3f} ms (p20 {t.p20_ms:.3f}, p80 {t.p80_ms:.3f}, host {t.host_ms:.3f}, "
+            f"{t.n_iters} iters, {n_copies} copies) {rate} = {row['pct_of_ceiling']:.1f}% of {ceiling_name}; "
             f"rel err {err:.2e}; first call {first:.2f} s"
         )
         rows.append(row)
@@ -527,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA: queue each timed call behind a GPU spin longer than its host issue time, so the "
                         "events time the device work alone (host-bound rows then show their kernels' time)")
     p.add_argument("--pin", action="store_true",
-                   help="host_overhead on CUDA: pin this process to one CPU core (Linux) for steadier host times")
+                   help="CUDA: pin this process to one CPU core (Linux) for steadier host times")
     return p
 
 
@@ -563,13 +578,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     stamp = now.strftime("%Y%m%dT%H%M%SZ")
     timer = Timer(device, args.warmup_ms, args.rep_ms, queue_ahead=args.queue_ahead)
     t_start = time.perf_counter()
-    _log(f"fusible_ops.bench on {device_name(device)} (torch {tv}, triton {trv}); measuring ceilings ...")
+    pinned = pin_to_one_core(device, args.pin)
+    _log(f"fusible_ops.bench on {device_name(device)}{pinned} (torch {tv}, triton {trv}); measuring ceilings ...")
     ceilings = measure_ceilings(device, timer, quick=args.quick)
     _log(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.1f} TFLOP/s")
     meta = dict(
         device=device_name(device), torch_version=tv, triton_version=trv, date_utc=now.isoformat(timespec="seconds"),
         copy_gbps=ceilings.copy_gbps, matmul_tflops=ceilings.matmul_tflops, quick=bool(args.quick),
-        queue_ahead=timer.queue_ahead,
+        queue_ahead=timer.queue_ahead, pinned=bool(pinned),
     )
     rows: list[dict] = []
     for variant, t, value, metric in (("copy_bandwidth", ceilings.copy_timing, ceilings.copy_gbps, "bytes"),

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import fusible_ops as fo
 
-from .harness import Timer, _log, device_name, percentile
+from .harness import Timer, _log, device_name, percentile, pin_to_one_core
 
 
 def _sync(device) -> None:
@@ -240,12 +240,7 @@ def main(args) -> int:
     """``python -m fusible_ops.bench host_overhead [--device D] [--quick] [--out DIR]``."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     quick = bool(args.quick)
-    pinned = ""
-    # (CUDA only: on CPU the math's intra-op threads would share the one core)
-    if getattr(args, "pin", False) and device.type == "cuda" and hasattr(os, "sched_setaffinity"):
-        core = max(os.sched_getaffinity(0))  # both ours and PyTorch run on this one core
-        os.sched_setaffinity(0, {core})
-        pinned = f", pinned to CPU {core}"
+    pinned = pin_to_one_core(device, getattr(args, "pin", False))
     rows = run(device, warmup=5 if quick else 20, rep=10 if quick else 200)
     table = markdown(rows, device_name(device) + pinned)
     os.makedirs(args.out, exist_ok=True)
