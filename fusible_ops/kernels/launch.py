@@ -192,10 +192,12 @@ class DirectKernel:
     loaded on (switched to for the launch when it is not the current one). A call with a tensor
     whose address is not 16-byte aligned always goes through Triton (it specializes on that).
 
-    What must hold: ``key`` fixes every other specialization Triton makes, i.e. each tensor's
-    dtype, the device, the value class of each integer argument (1, a multiple of 16, 32 or 64
-    bit), each ``None`` and every constexpr in ``meta``: callers key on the device, shapes,
-    strides, dtypes and flags the arguments are computed from, or use :func:`generic_key`.
+    What must hold: ``key`` fixes every other specialization Triton makes, i.e. which arguments
+    are tensors (their positions are kept with the binary: later calls read only those
+    arguments' data pointers), each tensor's dtype, the device, the value class of each integer
+    argument (1, a multiple of 16, 32 or 64 bit), each ``None`` and every constexpr in ``meta``:
+    callers key on the device, shapes, strides, dtypes and flags the arguments are computed
+    from, or use :func:`generic_key`.
     :data:`CHECK_DIRECT` verifies this against Triton's binder on every launch. The constexprs
     must be the kernel's trailing parameters (checked when the binary is cached).
     """
@@ -208,15 +210,18 @@ class DirectKernel:
         """Launch on ``grid`` (a tuple of 1 to 3 ints) with positional ``args`` (every runtime
         argument, in order; the first is a tensor) and ``meta`` (constexprs and launch options
         such as ``num_warps``)."""
-        ptrs, raw = 0, []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                p = a.data_ptr()
+        entry = self._bins.get(key) if DIRECT else None
+        if entry is not None:  # the key fixes which arguments are tensors: swap in their pointers
+            raw, ptrs = list(args), 0
+            for i in entry[3]:
+                p = raw[i] = args[i].data_ptr()
                 ptrs |= p
-                raw.append(p)
-            else:
-                raw.append(a)
-        self.launch_keyed(grid, key, args, meta, ptrs, raw)
+            if not ptrs & 15:
+                if CHECK_DIRECT:
+                    self._check(args, meta, entry[1], entry[2])
+                _run_binary(entry, grid, raw)
+                return
+        self._first(grid, key, args, meta, all(a.data_ptr() & 15 == 0 for a in args if isinstance(a, torch.Tensor)))
 
     def launch_keyed(self, grid: tuple, key, args: tuple, meta: dict, ptrs: int, raw: Sequence) -> None:
         """:meth:`__call__` for a caller that has OR-ed the tensors' data pointers into ``ptrs``
@@ -253,7 +258,8 @@ class DirectKernel:
         ck = self.kernel[grid](*args, **meta)
         if DIRECT and aligned and ck is not None:
             remember(self._bins, key, (self._launcher(ck, args, meta, dev), dev,
-                                       self._spec(args, meta, dev) if CHECK_DIRECT else None))
+                                       self._spec(args, meta, dev) if CHECK_DIRECT else None,
+                                       tuple([i for i, a in enumerate(args) if isinstance(a, torch.Tensor)])))
 
     def _launcher(self, ck, args, meta, dev: int):
         """``go(grid, stream, args)``: the compiled kernel's launch with the constexprs appended.
