@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import fusible_ops as fo
 
-from .harness import Timer, _log, device_name, percentile, pin_to_one_core
+from .harness import Timer, _log, device_name, free_memory, percentile, pin_to_one_core
 
 
 def _sync(device) -> None:
@@ -95,6 +95,7 @@ def _workloads(device, dtype, small: bool):
         return F.linear(F.gelu(F.linear(x, l1.weight, l1.bias)), l2.weight, l2.bias)
     x = rnd(16, 256)
     yield "dense3", "[16, 256]", seq, (x,), ref, (x,), torch.randn(16, 256, **kw), dense3
+    del seq, ref, l1, l2, x  # (each workload's modules and tensors die before the next one is timed)
     # 2. SwiGLU
     M, N = (64, 512) if small else (16384, 16384)
     sw = fo.Sequential(fo.SwiGLU())
@@ -104,6 +105,7 @@ def _workloads(device, dtype, small: bool):
         return F.silu(a) * b
     x = rnd(M, N)
     yield "swiglu", f"[{M}, {N}]", sw, (x,), _SwiGLU(), (x,), torch.randn(M, N // 2, **kw), swiglu
+    del sw, x
     # 3. residual + RMSNorm
     M, N = (64, 256) if small else (16384, 16384)
     rn = fo.Sequential(fo.AddExtraInput(), fo.RMSNorm(N, **kw))
@@ -117,6 +119,7 @@ def _workloads(device, dtype, small: bool):
         return F.rms_norm(x + r, (N,), w, 1e-5)
     x, r = rnd(M, N), rnd(M, N)
     yield "residual_rmsnorm", f"[{M}, {N}]", rn, (x, r), residual_norm, (x, r), torch.randn(M, N, **kw), rms
+    del rn, norm, w, x, r
     # 4. grouped MLP, 64 experts
     E, T, H, Fd = (64, 256, 64, 32) if small else (64, 16384, 2048, 1408)
     fc1 = fo.GroupedLinear(E, H, 2 * Fd, bias=False, **kw)
@@ -178,8 +181,10 @@ def run(device: torch.device, warmup: int = 20, rep: int = 200) -> list[dict]:
                            for a in ours_args)
             graphed = fo.make_graphed_callables(ours, static)
             row["graphed_us"] = host_times_us(_fwd_bwd(graphed, static, dy), device, warmup, rep)
+            del graphed, static  # (the graph and its memory pool go before the next workload)
         rows.append(row)
-        del ours, peer, functional
+        del ours, peer, functional, ours_args, peer_args, dy, fns
+        free_memory(device)
     if device.type == "cuda":
         rows.append(_training_step(device, dtype))
     return rows
