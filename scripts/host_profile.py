@@ -17,7 +17,9 @@ from fusible_ops.bench.host import _workloads
 
 
 def _us(fn, n=200):
-    """Median host us to issue one call, the device synced before each."""
+    """Median host us to issue one call (after 20 warm-up calls), the device synced before each."""
+    for _ in range(20):
+        fn()
     ts = []
     for _ in range(n):
         torch.cuda.synchronize()
@@ -85,7 +87,7 @@ def main() -> None:
     for name, shape, o, p in cases:
         if name not in names:
             continue
-        print(f"===== {name} {shape}: ours {_us(o):.0f} us, plain {_us(p):.0f} us (mean host us per call)")
+        print(f"===== {name} {shape}: ours {_us(o):.0f} us, plain {_us(p):.0f} us (median host us per call, synced before each)")
         _ops(o, "ours")
         _ops(p, "plain")
         pr = cProfile.Profile()
