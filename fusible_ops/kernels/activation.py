@@ -372,13 +372,19 @@ def _(x, bias, kind, dropout_p, seed):
     return x.new_empty((*x.shape[:-1], out_cols(x, gated)))
 
 
-@kernel_op("fusible_ops::bias_act_bwd", mutates_args=())
+def _bias_act_bwd_eager(dy, x, bias, kind, need_dbias, dropout_p, seed):
+    """(dz, dbias or None): the op's eager call, no placeholder for a dbias not needed."""
+    dz, dbias, _ = _act_bwd_launch(dy, x, bias, None, kind, need_dbias, False, dropout_p, seed)
+    return dz, dbias
+
+
+@kernel_op("fusible_ops::bias_act_bwd", mutates_args=(), eager=_bias_act_bwd_eager)
 def _bias_act_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, need_dbias: bool,
     dropout_p: float, seed: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dz, dbias); dbias is an empty tensor when not needed (custom ops return no None)."""
-    dz, dbias, _ = _act_bwd_launch(dy, x, bias, None, kind, need_dbias, False, dropout_p, seed)
+    dz, dbias = _bias_act_bwd_eager(dy, x, bias, kind, need_dbias, dropout_p, seed)
     return dz, (dbias if dbias is not None else _empty(x))
 
 

@@ -58,21 +58,25 @@ def num_sms(device: torch.device, interpreter_programs: int = 2) -> int:
     return n
 
 
-def kernel_op(name: str, *, mutates_args=()):
+def kernel_op(name: str, *, mutates_args=(), eager: Optional[Callable] = None):
     """Register a launcher as the ``torch.library`` custom op ``name`` (so ``torch.compile``
     traces it through its fake implementation), and return a callable that runs the launcher
     DIRECTLY in eager mode: eager calls skip the custom-op dispatch (its Python wrapper costs
     far more host time than a Triton launch), traced calls go through the op.
 
+    ``eager``: what eager calls run instead of the op's body (same arguments and results, except
+    that it may return None where the op, which cannot return None, returns a fresh empty
+    placeholder: eager calls then allocate no dummies).
     The returned callable has ``register_fake`` (decorator, as on the op) and ``op``.
     """
 
     def wrap(fn):
         op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
         is_compiling = torch.compiler.is_compiling
+        direct = eager if eager is not None else fn
 
         def call(*args):
-            return op(*args) if is_compiling() else fn(*args)
+            return op(*args) if is_compiling() else direct(*args)
 
         call.op = op
         call.register_fake = op.register_fake

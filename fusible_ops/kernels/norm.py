@@ -264,16 +264,21 @@ if HAS_TRITON:
 # ---- launchers
 
 
-def _fwd_outputs(x: torch.Tensor, residual: Optional[torch.Tensor], is_rms: bool, with_y: bool = True):
+def _fwd_outputs(x: torch.Tensor, residual: Optional[torch.Tensor], is_rms: bool, with_y: bool = True,
+                 placeholder: bool = True):
     """Fresh (y, mean, rstd, xsum) of the forward (real or fake tensors): mean and rstd fp32 [rows]
-    (RMSNorm: mean is rstd itself, a dtype carrier its callers drop); a [0] placeholder for xsum
-    (no residual); y None without ``with_y``."""
+    (RMSNorm: mean is rstd itself, a dtype carrier its callers drop); without residual, xsum is a
+    [0] placeholder (the custom ops' results) or None (``placeholder=False``: eager calls); y
+    None without ``with_y``."""
     rows = math.prod(x.shape[:-1])
     # (empty_like: a shape argument costs twice the host time of the allocation itself)
     y = torch.empty_like(x, memory_format=torch.contiguous_format) if with_y else None
     rstd = x.new_empty(rows, dtype=torch.float32)
     mean = rstd if is_rms else rstd.new_empty(rows)  # (RMSNorm: no mean; its callers drop this slot)
-    xsum = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x.new_empty(0)
+    if residual is not None:
+        xsum = torch.empty_like(x, memory_format=torch.contiguous_format)
+    else:
+        xsum = x.new_empty(0) if placeholder else None
     return y, mean, rstd, xsum
 
 
@@ -294,14 +299,14 @@ _PLAIN = (0, None)  # fp8 output spec (OUT_MODE, fp8 dtype) of a plain call
 
 
 def _norm_fwd_launch(x, weight, bias, eps, residual, is_rms, fp8=_PLAIN, qscale=None, amax=None):
-    """Triton forward. Returns (y, mean, rstd, xsum): mean is rstd under RMSNorm, xsum a [0]
-    placeholder without residual.
+    """Triton forward. Returns (y, mean, rstd, xsum): mean is rstd under RMSNorm, xsum None
+    without residual.
     ``fp8``: as in :func:`fusible_ops.kernels.activation._act_fwd_launch`; OUT_MODE 2 returns the
     FP8 bytes q [rows, N] in place of y."""
     key = ("fwd", x.shape, x.stride(), x.dtype, x.device, _meta_of(weight), _meta_of(bias),
            None if residual is None else (residual.stride(), residual.dtype), is_rms, fp8)
     rows, n, grid, meta = _GEOMETRY.get(key) or _fwd_geometry(key, x, weight, bias, residual, is_rms, fp8)
-    y, mean, rstd, xsum = _fwd_outputs(x, residual, is_rms, fp8[0] != 2)
+    y, mean, rstd, xsum = _fwd_outputs(x, residual, is_rms, fp8[0] != 2, placeholder=False)
     mode, qdtype = fp8
     if mode == 2:
         y = torch.empty(rows, n, dtype=qdtype, device=x.device)
@@ -347,8 +352,8 @@ def _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, has_w, has_dxe):
 
 
 def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra, is_rms):
-    """Triton backward. Returns (dx, dweight, dbias) with [0] placeholders for what is not needed
-    (dbias None under RMSNorm)."""
+    """Triton backward. Returns (dx, dweight, dbias), None for what is not needed (the custom ops
+    put [0] placeholders there)."""
     pdtype = weight.dtype if weight is not None else xsum.dtype
     need_dweight = bool(need_dweight) and weight is not None
     need_dbias = bool(need_dbias)
@@ -358,13 +363,9 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
                                               dxsum_extra is not None)
     rows, n, grid, meta, nprog, db_colsum, need_db_kernel = geo
     dx = torch.empty_like(xsum, memory_format=torch.contiguous_format)
-
-    def empty():  # placeholder for an output not asked for (a fresh one each: returns may not alias)
-        return xsum.new_empty(0, dtype=pdtype)
-
     if grid is None:
-        dw = xsum.new_zeros(n, dtype=pdtype) if need_dweight else empty()
-        db = xsum.new_zeros(n, dtype=pdtype) if need_dbias else empty()
+        dw = xsum.new_zeros(n, dtype=pdtype) if need_dweight else None
+        db = xsum.new_zeros(n, dtype=pdtype) if need_dbias else None
         return dx, dw, db  # dx is empty; the sums over no rows are zeros
     dy2 = as_rows(dy)
     xs2 = as_rows(xsum)
@@ -376,13 +377,13 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
     mean = rstd if is_rms else contiguous_or(mean, mean)
     _BWD(grid, key, (dy2, xs2, contiguous_or(weight, xs2), mean, rstd, dxe2, dx2, dw_part, db_part, rows, n,
                      dy2.stride(0), xs2.stride(0), dxe2.stride(0), dx2.stride(0)), meta)
-    dw = sum_partials(dw_part, pdtype) if need_dweight else empty()
+    dw = sum_partials(dw_part, pdtype) if need_dweight else None
     if db_colsum:  # fp32 accumulation, deterministic (torch reductions use no atomics)
         db = cast_to(dy2.sum(0, dtype=torch.float32), pdtype)
     elif need_dbias:
         db = sum_partials(db_part, pdtype)
     else:
-        db = None if is_rms else empty()  # (RMSNorm's callers drop this slot)
+        db = None
     return dx, dw, db
 
 
@@ -397,23 +398,39 @@ if HAS_TRITON:
 
 if HAS_TRITON:
 
-    @kernel_op("fusible_ops::layernorm_fwd", mutates_args=())
+    def _placeholder(t: Optional[torch.Tensor], like: torch.Tensor, dtype=None) -> torch.Tensor:
+        """``t``, or for None a fresh [0] tensor: custom ops return no None, and no output may
+        alias another (the eager calls return None and allocate nothing)."""
+        return t if t is not None else like.new_empty(0, dtype=dtype)
+
+    def _pdtype(xsum, weight):
+        return weight.dtype if weight is not None else xsum.dtype
+
+    def _layernorm_fwd_eager(x, weight, bias, eps, residual):
+        return _norm_fwd_launch(x, weight, bias, eps, residual, False)
+
+    @kernel_op("fusible_ops::layernorm_fwd", mutates_args=(), eager=_layernorm_fwd_eager)
     def _layernorm_fwd_op(
         x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
         residual: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _norm_fwd_launch(x, weight, bias, eps, residual, False)
+        y, mean, rstd, xsum = _norm_fwd_launch(x, weight, bias, eps, residual, False)
+        return y, mean, rstd, _placeholder(xsum, x)
 
     @_layernorm_fwd_op.register_fake
     def _(x, weight, bias, eps, residual):
         return _fwd_outputs(x, residual, False)
 
-    @kernel_op("fusible_ops::rmsnorm_fwd", mutates_args=())
+    def _rmsnorm_fwd_eager(x, weight, eps, residual):
+        y, _, rstd, xsum = _norm_fwd_launch(x, weight, None, eps, residual, True)
+        return y, rstd, xsum
+
+    @kernel_op("fusible_ops::rmsnorm_fwd", mutates_args=(), eager=_rmsnorm_fwd_eager)
     def _rmsnorm_fwd_op(
         x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        y, _, rstd, xsum = _norm_fwd_launch(x, weight, None, eps, residual, True)
-        return y, rstd, xsum
+        y, rstd, xsum = _rmsnorm_fwd_eager(x, weight, eps, residual)
+        return y, rstd, _placeholder(xsum, x)
 
     @_rmsnorm_fwd_op.register_fake
     def _(x, weight, eps, residual):
@@ -421,30 +438,39 @@ if HAS_TRITON:
         return y, rstd, xsum
 
     def _fake_bwd(xsum, weight, need_dweight, need_dbias):
-        pdtype = weight.dtype if weight is not None else xsum.dtype
+        pdtype = _pdtype(xsum, weight)
         n = xsum.shape[-1]
         dw = xsum.new_empty(n if (need_dweight and weight is not None) else 0, dtype=pdtype)
         db = xsum.new_empty(n if need_dbias else 0, dtype=pdtype)
         return xsum.new_empty(xsum.shape), dw, db
 
-    @kernel_op("fusible_ops::layernorm_bwd", mutates_args=())
+    def _layernorm_bwd_eager(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra):
+        return _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra, False)
+
+    @kernel_op("fusible_ops::layernorm_bwd", mutates_args=(), eager=_layernorm_bwd_eager)
     def _layernorm_bwd_op(
         dy: torch.Tensor, xsum: torch.Tensor, weight: Optional[torch.Tensor], mean: torch.Tensor,
         rstd: torch.Tensor, need_dweight: bool, need_dbias: bool, dxsum_extra: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra, False)
+        dx, dw, db = _layernorm_bwd_eager(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra)
+        pdtype = _pdtype(xsum, weight)
+        return dx, _placeholder(dw, xsum, pdtype), _placeholder(db, xsum, pdtype)
 
     @_layernorm_bwd_op.register_fake
     def _(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra):
         return _fake_bwd(xsum, weight, need_dweight, need_dbias)
 
-    @kernel_op("fusible_ops::rmsnorm_bwd", mutates_args=())
+    def _rmsnorm_bwd_eager(dy, xsum, weight, rstd, need_dweight, dxsum_extra):
+        dx, dw, _ = _norm_bwd_launch(dy, xsum, weight, rstd, rstd, need_dweight, False, dxsum_extra, True)
+        return dx, dw
+
+    @kernel_op("fusible_ops::rmsnorm_bwd", mutates_args=(), eager=_rmsnorm_bwd_eager)
     def _rmsnorm_bwd_op(
         dy: torch.Tensor, xsum: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor,
         need_dweight: bool, dxsum_extra: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        dx, dw, _ = _norm_bwd_launch(dy, xsum, weight, rstd, rstd, need_dweight, False, dxsum_extra, True)
-        return dx, dw
+        dx, dw = _rmsnorm_bwd_eager(dy, xsum, weight, rstd, need_dweight, dxsum_extra)
+        return dx, _placeholder(dw, xsum, _pdtype(xsum, weight))
 
     @_rmsnorm_bwd_op.register_fake
     def _(dy, xsum, weight, rstd, need_dweight, dxsum_extra):

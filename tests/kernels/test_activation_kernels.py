@@ -295,3 +295,16 @@ def test_gpu_compile_fullgraph():
     out = torch.compile(f, fullgraph=True)(x, bias, s)
     for a, b in zip(out, f(x, bias, s)):
         assert torch.equal(a, b)
+
+
+def test_eager_backward_allocates_no_dbias_placeholder():
+    """The eager backward call returns None for a dbias not asked for (no [0] dummy); the custom
+    op (the torch.compile path) returns a fresh [0] tensor there, and the same dz."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(5, 18, device=dev, dtype=torch.float16)
+    dy = torch.randn(5, 9, device=dev, dtype=torch.float16)
+    with K.use("triton"):
+        dz_e, db_e = A._bias_act_bwd_op(dy, x, None, "swiglu", False, 0.0, None)
+        dz_o, db_o = A._bias_act_bwd_op.op(dy, x, None, "swiglu", False, 0.0, None)
+    assert db_e is None and db_o.numel() == 0
+    assert torch.equal(dz_e, dz_o)

@@ -355,3 +355,31 @@ def test_gpu_bwd_variants(monkeypatch, rms, variant):
         monkeypatch.setattr(NC, "_BWD_DB_COLSUM_MIN_N", 1)
     for shape in [(65, 8193), (33, 16384), (517, 1000)]:
         _check_norm(shape, torch.bfloat16, torch.float32, True, True, True, True, "rows", rms=rms, device="cuda")
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
+def test_eager_calls_allocate_no_placeholders(rms):
+    """Eager kernel calls return None where nothing is computed (no residual: no xsum; a frozen
+    weight: no dweight) instead of allocating a [0] dummy; the custom ops (the torch.compile
+    path), which cannot return None, return fresh [0] placeholders there, and the same values."""
+    x = torch.randn(6, 24, device=DEV, dtype=torch.float16)
+    w = torch.rand(24, device=DEV, dtype=torch.float32) + 0.5
+    b = torch.randn(24, device=DEV, dtype=torch.float32) if not rms else None
+    dy = torch.randn_like(x)
+    with K.use("triton"):
+        if rms:
+            eager_f, op_f = N._rmsnorm_fwd_op(x, w, EPS, None), N._rmsnorm_fwd_op.op(x, w, EPS, None)
+            y_e, rstd_e, xsum_e = eager_f
+            y_o, rstd_o, xsum_o = op_f
+            eager_b = N._rmsnorm_bwd_op(dy, x, w, rstd_e, False, None)
+            op_b = N._rmsnorm_bwd_op.op(dy, x, w, rstd_e, False, None)
+        else:
+            eager_f, op_f = N._layernorm_fwd_op(x, w, b, EPS, None), N._layernorm_fwd_op.op(x, w, b, EPS, None)
+            y_e, mean_e, rstd_e, xsum_e = eager_f
+            y_o, _, rstd_o, xsum_o = op_f
+            eager_b = N._layernorm_bwd_op(dy, x, w, mean_e, rstd_e, False, False, None)
+            op_b = N._layernorm_bwd_op.op(dy, x, w, mean_e, rstd_e, False, False, None)
+    assert xsum_e is None and xsum_o.numel() == 0
+    assert torch.equal(y_e, y_o) and torch.equal(rstd_e, rstd_o)
+    assert all(t is None for t in eager_b[1:]) and all(t.numel() == 0 and t.dtype == w.dtype for t in op_b[1:])
+    assert torch.equal(eager_b[0], op_b[0])
