@@ -77,7 +77,7 @@ def test_queue_ahead_times_device_work_alone():
     one tiny kernel) is timed at its device time, not its host time, and the spin is calibrated."""
     import time
 
-    from fusible_ops.bench.harness import Timer
+    from fusible_ops.bench.timing import Timer
 
     dev = torch.device("cuda")
     x = torch.randn(1024, device=dev)

@@ -4,11 +4,12 @@
 Times each case's fused ``fusible_ops.Sequential`` against the same ops in eager PyTorch and
 under ``torch.compile`` (plus case-specific baselines), with copy-bandwidth and bf16-matmul
 ceilings measured in the same run. See :mod:`fusible_ops.bench.harness` and
-:mod:`fusible_ops.bench.cases`.
+:mod:`fusible_ops.bench.cases` (and :mod:`fusible_ops.bench.timing` for the timer).
 """
 
 from .cases import CASES, Bench, BenchContext, routing_splits
-from .harness import FIELDS, Timer, Timing, main, measure_ceilings, percentile
+from .harness import FIELDS, main, measure_ceilings
+from .timing import Timer, Timing, percentile
 
 __all__ = ["CASES", "FIELDS", "Bench", "BenchContext", "Timer", "Timing", "main", "measure_ceilings", "percentile",
            "routing_splits"]

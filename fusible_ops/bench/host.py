@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 import fusible_ops as fo
 
-from .harness import Timer, _log, device_name, free_memory, percentile, pin_to_one_core
+from .harness import _log, device_name, free_memory, pin_to_one_core
+from .timing import Timer, percentile
 
 
 def _sync(device) -> None:
