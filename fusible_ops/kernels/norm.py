@@ -351,10 +351,15 @@ def _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, has_w, has_dxe):
     return remember(_GEOMETRY, key, (rows, n, grid, meta, nprog, db_colsum, meta["NEED_DB"]))
 
 
+def _pdtype(xsum: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.dtype:
+    """The dtype of dweight / dbias: the weight's (xsum's without a weight)."""
+    return weight.dtype if weight is not None else xsum.dtype
+
+
 def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra, is_rms):
     """Triton backward. Returns (dx, dweight, dbias), None for what is not needed (the custom ops
     put [0] placeholders there)."""
-    pdtype = weight.dtype if weight is not None else xsum.dtype
+    pdtype = _pdtype(xsum, weight)
     need_dweight = bool(need_dweight) and weight is not None
     need_dbias = bool(need_dbias)
     key = ("bwd", dy.stride(), xsum.shape, xsum.stride(), xsum.dtype, dy.dtype, xsum.device, _meta_of(weight),
@@ -402,9 +407,6 @@ if HAS_TRITON:
         """``t``, or for None a fresh [0] tensor: custom ops return no None, and no output may
         alias another (the eager calls return None and allocate nothing)."""
         return t if t is not None else like.new_empty(0, dtype=dtype)
-
-    def _pdtype(xsum, weight):
-        return weight.dtype if weight is not None else xsum.dtype
 
     def _layernorm_fwd_eager(x, weight, bias, eps, residual):
         return _norm_fwd_launch(x, weight, bias, eps, residual, False)
