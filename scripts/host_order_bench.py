@@ -14,21 +14,7 @@ import torch.nn.functional as F
 
 import fusible_ops as fo
 from fusible_ops.bench.host import _SwiGLU, host_times_interleaved
-from fusible_ops.kernels import activation as A
-
-
-class _Floor(torch.autograd.Function):
-    """A bare autograd Function issuing our SwiGLU kernels (the design's floor)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return A._act_fwd_launch(x, None, None, "swiglu", 0.0, None)
-
-    @staticmethod
-    def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        return A._act_bwd_launch(dy, x, None, None, "swiglu", False, False, 0.0, None)[0]
+from host_floor_bench import Swi as _Floor  # (scripts/: the bare autograd Function issuing our SwiGLU kernels)
 
 
 def _functional(x):

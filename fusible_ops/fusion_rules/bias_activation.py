@@ -106,7 +106,6 @@ class ForwardLinearBiasActivation(FusedOperation):
         act.save_ctx(ctxs[ai], z, bias=b)
         return y, self._no_extras
 
-
     @staticmethod
     def _native(lctx, x, lin, bias, act):
         """Reference math that fills no ctx (a call under PyTorch's autograd, or inference; dtypes
