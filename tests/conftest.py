@@ -5,6 +5,10 @@
 * Tests marked ``gpu`` are skipped without CUDA; on a GPU every direct kernel launch is checked
   against Triton's own specialization (``FUSIBLE_OPS_CHECK_DIRECT``), and small training calls
   take the fused kernels too (``FUSIBLE_OPS_NATIVE_MAX_NUMEL=0``).
+* With CUDA, Triton's interpreter is off (it would run the GPU tests' kernels too): a test that
+  runs kernels on CPU tensors through ``kernels.use("triton")`` is skipped there, with the reason,
+  when it reaches :class:`fusible_ops.kernels.InterpreterRequired` (it runs in CPU CI; the
+  ``gpu`` tests cover the same kernels on the device).
 * Launch-geometry caches are emptied around each test (tests change tiling constants).
 * Hypothesis runs a fixed, derandomized profile (``ci``) with bounded examples
   (``HYPOTHESIS_PROFILE=dev`` for more). Users' projects have no such profile: the README recipe
@@ -49,7 +53,44 @@ def _fresh_launch_geometry():
     clear_geometry_caches()
 
 
+def _needs_interpreter(exc: BaseException) -> bool:
+    from fusible_ops.kernels import InterpreterRequired
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:  # (hypothesis may chain or group it)
+        seen.add(id(exc))
+        if isinstance(exc, InterpreterRequired):
+            return True
+        group = getattr(exc, "exceptions", None)
+        if group and any(_needs_interpreter(e) for e in group):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    outcome = yield
+    excinfo = outcome.excinfo
+    if excinfo is not None and _needs_interpreter(excinfo[1]):
+        why = ("runs Triton kernels on CPU tensors: needs Triton's interpreter (TRITON_INTERPRET=1, off when "
+               "CUDA is present); the gpu tests run these kernels on the device")
+        try:  # (reported at the test's location, not the hook's, where pytest supports it)
+            skipped = pytest.skip.Exception(why, _use_item_location=True)
+        except TypeError:
+            skipped = pytest.skip.Exception(why)
+        outcome.force_exception(skipped)
+
+
 def pytest_collection_modifyitems(config, items):
+    from fusible_ops.kernels import interpreter_enabled
+
+    if not interpreter_enabled():
+        skip = pytest.mark.skip(reason="launches Triton kernels on CPU tensors: needs Triton's interpreter "
+                                       "(TRITON_INTERPRET=1, off when CUDA is present)")
+        for item in items:
+            if "interpreter" in item.keywords:
+                item.add_marker(skip)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -87,6 +87,11 @@ def set_mode(mode) -> object:
     return previous
 
 
+class InterpreterRequired(RuntimeError):
+    """``kernels.use("triton")`` met CPU tensors while Triton's interpreter is off (it needs
+    ``TRITON_INTERPRET=1`` set before triton is imported)."""
+
+
 def use_triton(*tensors: torch.Tensor | None) -> bool:
     """Decide whether a kernel call on ``tensors`` runs Triton (True) or the ``*_ref``.
 
@@ -109,7 +114,7 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
     if not HAS_TRITON:
         raise RuntimeError("fusible_ops.kernels.use('triton'): triton is not installed")
     if not cuda and not interpreter_enabled():
-        raise RuntimeError(
+        raise InterpreterRequired(
             "fusible_ops.kernels.use('triton') on CPU tensors needs Triton's interpreter: "
             "set TRITON_INTERPRET=1 before importing triton"
         )
@@ -119,5 +124,5 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
 # Launch utilities live in one module (re-exported here for the kernel families and users).
 from fusible_ops.kernels.launch import TRITON_DTYPES, kernel_op, num_sms  # noqa: E402
 
-__all__ = ["HAS_TRITON", "TRITON_DTYPES", "current_mode", "interpreter_enabled", "kernel_op", "num_sms", "set_mode",
+__all__ = ["HAS_TRITON", "InterpreterRequired", "TRITON_DTYPES", "current_mode", "interpreter_enabled", "kernel_op", "num_sms", "set_mode",
            "use", "use_triton"]

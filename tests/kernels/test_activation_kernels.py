@@ -217,6 +217,7 @@ def test_scaled_swiglu_matches_float64(dtype, small_tiles):
         _check_scaled(dtype, shape, layout, s32, seed=i)
 
 
+@pytest.mark.interpreter
 def test_compile_fullgraph_cpu_aot_eager():
     """Custom ops trace under torch.compile (fake impls); aot_eager avoids needing a C++ compiler."""
     x, bias, s, seed = torch.randn(5, 12), torch.randn(12), torch.rand(5), S(3)

@@ -139,6 +139,7 @@ def _check_fwd_bwd(shape, dtype, layout, p, seed, device="cpu"):
 # ----------------------------------------------------------------------------- CPU
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
 def test_philox_ref_bit_identical_to_tl_rand(offs_dtype):
     offs = torch.cat([torch.arange(0, 300), torch.tensor([2**31 - 1, 123456789, 7])]).to(offs_dtype)
@@ -154,6 +155,7 @@ def test_philox_ref_bit_identical_to_tl_rand(offs_dtype):
         assert (ref >= 0).all() and (ref < 1).all()
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
 def test_philox_rand4_ref_bit_identical_to_tl_rand4x(offs_dtype):
     offs = torch.cat([torch.arange(0, 200), torch.tensor([2**31 - 1, 123456789, 7])]).to(offs_dtype)
@@ -174,6 +176,7 @@ def test_philox_rand4_ref_bit_identical_to_tl_rand4x(offs_dtype):
             assert torch.equal(u.view(torch.int32), ref[k].view(torch.int32))
 
 
+@pytest.mark.interpreter
 def test_philox_ref_int64_seed_from_pointer_bit_identical():
     """Kernels read the seed as int64 from memory: the key is its (lo, hi) words, and the ref
     matches for any int64 value (beyond 2**31 and negative too), so no range check is needed."""
@@ -187,6 +190,7 @@ def test_philox_ref_int64_seed_from_pointer_bit_identical():
             assert torch.equal(out[k].view(torch.int32), ref.view(torch.int32)), (seed, k)
 
 
+@pytest.mark.interpreter
 def test_keep_tile_int64_counters_with_high_word():
     """_keep_tile on rows whose counters exceed 2**32 (int64 path) matches the ref contract."""
     n_cols, p, seed = 13, 0.45, 77
@@ -326,7 +330,7 @@ def test_seed_tensor_forms(mode):
     assert torch.equal(y != 0, D.dropout_keep_mask(x.shape, 0.4, S(321), "cpu"))
 
 
-@pytest.mark.parametrize("mode", ["triton", "reference"])
+@pytest.mark.parametrize("mode", [pytest.param("triton", marks=pytest.mark.interpreter), "reference"])
 def test_compile_fullgraph_seed_tensor_aot_eager(mode):
     """The seed is a graph input: no int(), no .item(); same result as eager."""
     x, seed = torch.randn(7, 10), S(99)
