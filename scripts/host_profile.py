@@ -6,6 +6,7 @@ Function, each launcher alone), the process pinned to one CPU core.
     PYTHONPATH=. python3 scripts/host_profile.py [swiglu residual_rmsnorm ...]
 """
 import cProfile
+import itertools
 import os
 import pstats
 import sys
@@ -80,11 +81,12 @@ def main() -> None:
     names = sys.argv[1:] or ["swiglu", "residual_rmsnorm", "layernorm_1024", "rmsnorm_1024"]
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    cases = [(name, shape, (lambda ours=ours, a=oargs, dy=dy: ours(*a).backward(dy)),
+    # (a generator: each workload's modules and tensors are freed before the next one is made,
+    # so each case is profiled inside the loop, while its workload is alive)
+    cases = ((name, shape, (lambda ours=ours, a=oargs, dy=dy: ours(*a).backward(dy)),
               (lambda peer=peer, a=pargs, dy=dy: peer(*a).backward(dy)))
-             for name, shape, ours, oargs, peer, pargs, dy, _ in _workloads(dev, torch.bfloat16, False)]
-    cases += list(_norms(dev))
-    for name, shape, o, p in cases:
+             for name, shape, ours, oargs, peer, pargs, dy, _ in _workloads(dev, torch.bfloat16, False))
+    for name, shape, o, p in itertools.chain(cases, _norms(dev)):
         if name not in names:
             continue
         print(f"===== {name} {shape}: ours {_us(o):.0f} us, plain {_us(p):.0f} us (median host us per call, synced before each)")

@@ -125,3 +125,17 @@ def test_host_overhead_case_runs_on_cpu(tmp_path, capsys):
     for name in ("dense3", "swiglu", "residual_rmsnorm", "grouped_mlp_64e"):
         assert f"| {name} |" in table
     assert "host_overhead on cpu" in capsys.readouterr().out
+
+
+def test_host_workloads_stay_callable_when_collected():
+    """The scripts (host_ab_bench, host_profile) collect every ``host_overhead`` workload before
+    timing: each workload's functions (ours, torch.nn, functional) must still run and agree then."""
+    from fusible_ops.bench.host import _workloads
+
+    torch.manual_seed(0)
+    workloads = list(_workloads(torch.device("cpu"), torch.float32, small=True))
+    assert [w[0] for w in workloads] == ["dense3", "swiglu", "residual_rmsnorm", "grouped_mlp_64e"]
+    for name, _, ours, ours_args, peer, peer_args, _, functional in workloads:
+        y_peer = peer(*peer_args)
+        torch.testing.assert_close(functional(*peer_args), y_peer, msg=name)
+        assert ours(*ours_args).shape == y_peer.shape, name
