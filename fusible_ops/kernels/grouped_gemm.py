@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from . import HAS_TRITON, interpreter_enabled, use_triton
-from .launch import (TRITON_DTYPES, DirectKernel, TunedKernel, cdiv, compute_dtype, dot_precision, generic_key,
+from .launch import (TRITON_DTYPES, DirectKernel, TunedKernel, cast_to, cdiv, compute_dtype, dot_precision, generic_key,
                      kernel_op)
 from .persistent import (INTERP_MN, INTERP_WG, check_splits, group_p2, persistent_grid, same_dtype,
                          tma_ok)
@@ -343,7 +343,7 @@ def grouped_gemm_fwd_ref(x: torch.Tensor, w: torch.Tensor, split_sizes: torch.Te
         r = x.to(acc)[None] @ w.to(acc).transpose(1, 2)
         if bias is not None:
             r = r + bias.to(acc)[:, None, :]
-        return torch.where(_group_mask(split_sizes, x.shape[0], x.device), r, 0).sum(0).to(x.dtype)
+        return cast_to(torch.where(_group_mask(split_sizes, x.shape[0], x.device), r, 0).sum(0), x.dtype)
     y = torch.zeros((x.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)
     for g, (s, e) in enumerate(_bounds(split_sizes)):
         if e > s:

@@ -92,7 +92,7 @@ def test_empty_tokens_and_empty_features():
             assert _run(mc.gather_sum, mode, src, index, w).shape == (t, h)
             dsrc, dp = _run(mc.combine_bwd, mode, dy, src, index, w)
             assert dsrc.shape == (2 * t, h) and dp.shape == (t, 2)
-            assert torch.equal(dp, torch.zeros(t, 2))
+            assert torch.equal(dp, torch.zeros(t, 2, device=dp.device))
 
 
 def test_float64_runs_the_reference_exactly():
