@@ -41,7 +41,7 @@ def sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     device (launchers call this after their kernel): one launch, fixed summation order."""
     p, n = part.shape
     part = part if part.is_contiguous() else part.contiguous()
-    out = torch.empty(n, dtype=dtype, device=part.device)
+    out = part.new_empty(n, dtype=dtype)
     if n:
         block_n, block_p = _tile(n, part.device)
         _SUM((cdiv(n, block_n),), (p, n, part.dtype, dtype, part.device), (part, out, p, n),
