@@ -44,7 +44,8 @@ from fusible_ops.kernels.dropout import keep_scale, kernel_seed
 from fusible_ops.kernels.fp8_cast import FP8_MAX_OF, fp8_epilogue_ref
 from fusible_ops.kernels.partials import sum_partials
 from fusible_ops.kernels.launch import (MIN_BLOCK_C, DirectKernel, as_rows, cdiv, contiguous_or, elementwise_config,
-                                        geometry_cache, kernel_op, needs_int64, next_pow2, num_sms, remember)
+                                        geometry_cache, kernel_op, needs_int64, next_pow2, num_sms, placeholder,
+                                        remember)
 
 if HAS_TRITON:
     import triton
@@ -354,10 +355,6 @@ def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout
     return dx, dbias, dscales
 
 
-def _empty(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=x.dtype, device=x.device)
-
-
 @kernel_op("fusible_ops::bias_act_fwd", mutates_args=())
 def _bias_act_fwd_op(
     x: torch.Tensor, bias: Optional[torch.Tensor], kind: str, dropout_p: float, seed: Optional[torch.Tensor]
@@ -385,13 +382,13 @@ def _bias_act_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dz, dbias); dbias is an empty tensor when not needed (custom ops return no None)."""
     dz, dbias = _bias_act_bwd_eager(dy, x, bias, kind, need_dbias, dropout_p, seed)
-    return dz, (dbias if dbias is not None else _empty(x))
+    return dz, placeholder(dbias, x)
 
 
 @_bias_act_bwd_op.register_fake
 def _(dy, x, bias, kind, need_dbias, dropout_p, seed):
     check_bias_act(x, bias, kind, dropout_p, seed)
-    dbias = bias.new_empty(x.shape[-1]) if need_dbias and bias is not None else _empty(x)
+    dbias = bias.new_empty(x.shape[-1]) if need_dbias and bias is not None else placeholder(None, x)
     return x.new_empty(x.shape), dbias
 
 
@@ -412,13 +409,13 @@ def _scaled_swiglu_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dx, dscales); dscales is an empty tensor when not needed."""
     dx, _, dscales = _act_bwd_launch(dy, x, None, scales, "swiglu", False, need_dscales, 0.0, None)
-    return dx, (dscales if dscales is not None else _empty(x))
+    return dx, placeholder(dscales, x)
 
 
 @_scaled_swiglu_bwd_op.register_fake
 def _(dy, x, scales, need_dscales):
     check_scales(x, scales)
-    return x.new_empty(x.shape), (scales.new_empty(scales.shape) if need_dscales else _empty(x))
+    return x.new_empty(x.shape), (scales.new_empty(scales.shape) if need_dscales else placeholder(None, x))
 
 
 # ----------------------------------------------------------------------------- public API

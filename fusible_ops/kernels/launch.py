@@ -87,6 +87,13 @@ def kernel_op(name: str, *, mutates_args=(), eager: Optional[Callable] = None):
     return wrap
 
 
+def placeholder(t: Optional[torch.Tensor], like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``t``, or for None a fresh empty [0] tensor on ``like``'s device (``dtype``, default
+    ``like``'s): what a :func:`kernel_op` custom op returns for an output not computed (custom
+    ops return no None, and no output may alias another); eager calls return None instead."""
+    return t if t is not None else like.new_empty(0, dtype=dtype)
+
+
 _CACHES: list = []
 
 
@@ -511,4 +518,4 @@ class TunedKernel:
 __all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "TRITON_DTYPES", "DirectKernel", "TunedKernel", "arg_classes", "as_rows",
            "cast_to", "cdiv", "clear_geometry_caches", "compute_dtype", "contiguous_or", "dot_precision", "elementwise_config", "generic_key",
            "geometry_cache",
-           "kernel_op", "needs_int64", "next_pow2", "num_sms", "remember"]
+           "kernel_op", "needs_int64", "next_pow2", "num_sms", "placeholder", "remember"]

@@ -39,7 +39,7 @@ from . import HAS_TRITON, interpreter_enabled, use_triton
 from .fp8_cast import FP8_MAX_OF, fp8_epilogue_ref
 from . import norm_config as cfg
 from .launch import (TRITON_DTYPES, DirectKernel, as_rows, cast_to, cdiv, contiguous_or, geometry_cache, kernel_op,
-                     num_sms, remember)
+                     num_sms, placeholder, remember)
 from .partials import sum_partials
 from .norm_ref import (  # noqa: F401  (re-exported: one module to import)
     layernorm_bwd_ref,
@@ -403,11 +403,6 @@ if HAS_TRITON:
 
 if HAS_TRITON:
 
-    def _placeholder(t: Optional[torch.Tensor], like: torch.Tensor, dtype=None) -> torch.Tensor:
-        """``t``, or for None a fresh [0] tensor: custom ops return no None, and no output may
-        alias another (the eager calls return None and allocate nothing)."""
-        return t if t is not None else like.new_empty(0, dtype=dtype)
-
     def _layernorm_fwd_eager(x, weight, bias, eps, residual):
         return _norm_fwd_launch(x, weight, bias, eps, residual, False)
 
@@ -417,7 +412,7 @@ if HAS_TRITON:
         residual: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         y, mean, rstd, xsum = _norm_fwd_launch(x, weight, bias, eps, residual, False)
-        return y, mean, rstd, _placeholder(xsum, x)
+        return y, mean, rstd, placeholder(xsum, x)
 
     @_layernorm_fwd_op.register_fake
     def _(x, weight, bias, eps, residual):
@@ -432,7 +427,7 @@ if HAS_TRITON:
         x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         y, rstd, xsum = _rmsnorm_fwd_eager(x, weight, eps, residual)
-        return y, rstd, _placeholder(xsum, x)
+        return y, rstd, placeholder(xsum, x)
 
     @_rmsnorm_fwd_op.register_fake
     def _(x, weight, eps, residual):
@@ -456,7 +451,7 @@ if HAS_TRITON:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dx, dw, db = _layernorm_bwd_eager(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra)
         pdtype = _pdtype(xsum, weight)
-        return dx, _placeholder(dw, xsum, pdtype), _placeholder(db, xsum, pdtype)
+        return dx, placeholder(dw, xsum, pdtype), placeholder(db, xsum, pdtype)
 
     @_layernorm_bwd_op.register_fake
     def _(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra):
@@ -472,7 +467,7 @@ if HAS_TRITON:
         need_dweight: bool, dxsum_extra: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         dx, dw = _rmsnorm_bwd_eager(dy, xsum, weight, rstd, need_dweight, dxsum_extra)
-        return dx, _placeholder(dw, xsum, _pdtype(xsum, weight))
+        return dx, placeholder(dw, xsum, _pdtype(xsum, weight))
 
     @_rmsnorm_bwd_op.register_fake
     def _(dy, xsum, weight, rstd, need_dweight, dxsum_extra):
