@@ -204,13 +204,11 @@ class Sequential(torch.nn.Module):
         """Which modules have hooks now: ``True`` under global module hooks (all of them), ``False``
         when none has any (the common case: one pass over the modules, nothing built), else one
         flag per module. Checked on every call."""
-        g = _HOOK_MODULE
-        if g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks or \
-                g._global_backward_pre_hooks:  # (_global_hooks(), inline: this runs on every call)
+        if _global_hooks():
             return True
         mods = self._modules.values()
         for m in mods:
-            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:  # (_has_hooks)
+            if _has_hooks(m):
                 return tuple([_has_hooks(m) for m in mods])
         return False
 
