@@ -113,6 +113,7 @@ class Plan:
                                for g in reversed(self.backward) if g.indices[-1] >= self.backward_stop]
         self.backward_complete = all(g.indices[-1] >= self.backward_stop for g in self.backward)
         self.no_param_grads = [(None,) * c for c in self.param_counts]
+        self.keep_all = all(self.extra_keep) and all(self.param_keep)  # (backward returns every gradient as is)
 
     def compile_steps(self, ops: Sequence[BasicOperation]) -> None:
         """The steps as the fuser's autograd function runs them (rebuilt when the steps change).
@@ -537,6 +538,8 @@ class _FuserFunction(torch.autograd.Function):
         elif type(dy) is Float8Tensor:  # autograd gets plain gradients
             dy = dy.dequantize()
         dx = dy if x_requires_grad else None
+        if plan.keep_all:
+            return (dx, None, None, None, *[t for e in grad_extra_in for t in e], *[t for p in param_grads for t in p])
         flat_ge = [t if k else None for k, t in zip(plan.extra_keep, [t for e in grad_extra_in for t in e])]
         flat_pg = [t if k else None for k, t in zip(plan.param_keep, [t for p in param_grads for t in p])]
         return (dx, None, None, None, *flat_ge, *flat_pg)

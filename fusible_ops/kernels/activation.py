@@ -437,7 +437,8 @@ def bias_act_fwd(
     y is multiplied by ``1 / (1 - dropout_p)`` where kept and by 0 where dropped. NaN/Inf in z
     give what torch's activation (and dropout) give, forward and backward.
     """
-    seed = kernel_seed(dropout_p, seed, x.device)  # (shapes and kind: checked once per shape by the launcher)
+    if seed is not None or dropout_p != 0.0:  # (no dropout: nothing to check; shapes and kind: checked
+        seed = kernel_seed(dropout_p, seed, x.device)  # once per shape by the launcher)
     if use_triton(x, bias):
         return _bias_act_fwd_op(x, bias, kind, float(dropout_p), seed)
     return bias_act_fwd_ref(x, bias, kind, dropout_p=dropout_p, seed=seed)
@@ -475,7 +476,8 @@ def bias_act_bwd(
     ``need_dbias`` is False or bias is None. The Triton path computes dz and the bias
     column sums in one pass (deterministic, no atomics).
     """
-    seed = kernel_seed(dropout_p, seed, x.device)
+    if seed is not None or dropout_p != 0.0:  # (no dropout: nothing to check)
+        seed = kernel_seed(dropout_p, seed, x.device)
     need_dbias = bool(need_dbias) and bias is not None
     if use_triton(dy, x, bias):
         dz, dbias = _bias_act_bwd_op(dy, x, bias, kind, need_dbias, float(dropout_p), seed)

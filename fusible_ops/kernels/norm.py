@@ -40,7 +40,7 @@ from .fp8_cast import FP8_MAX_OF, fp8_epilogue_ref
 from . import norm_config as cfg
 from .launch import (TRITON_DTYPES, DirectKernel, as_rows, cast_to, cdiv, contiguous_or, geometry_cache, kernel_op,
                      num_sms, placeholder, remember)
-from .partials import sum_partials
+from .partials import partials_buffer, sum_partials
 from .norm_ref import (  # noqa: F401  (re-exported: one module to import)
     layernorm_bwd_ref,
     layernorm_fwd_ref,
@@ -376,8 +376,12 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
     xs2 = as_rows(xsum)
     dxe2 = as_rows(dxsum_extra) if dxsum_extra is not None else dy2
     dx2 = dx if dx.dim() == 2 else dx.view(rows, n)
-    dw_part = xsum.new_empty((nprog, n), dtype=torch.float32) if need_dweight else dx2
-    db_part = xsum.new_empty((nprog, n), dtype=torch.float32) if need_db_kernel else dx2
+    if xs2.is_cuda:  # (one buffer per slot, reused on the default stream: see partials_buffer)
+        dw_part = partials_buffer(xs2, nprog, n, 0) if need_dweight else dx2
+        db_part = partials_buffer(xs2, nprog, n, 1) if need_db_kernel else dx2
+    else:  # (Triton's interpreter)
+        dw_part = xs2.new_empty((nprog, n), dtype=torch.float32) if need_dweight else dx2
+        db_part = xs2.new_empty((nprog, n), dtype=torch.float32) if need_db_kernel else dx2
     rstd = contiguous_or(rstd, rstd)
     mean = rstd if is_rms else contiguous_or(mean, mean)
     _BWD(grid, key, (dy2, xs2, contiguous_or(weight, xs2), mean, rstd, dxe2, dx2, dw_part, db_part, rows, n,
@@ -500,6 +504,11 @@ def layernorm_fwd(x, weight, bias, eps, residual=None):
     float64 inputs always take the reference path (float64 math and stats).
     """
     _check("layernorm_fwd", x, residual, weight=weight, bias=bias)
+    return layernorm_fwd_unchecked(x, weight, bias, eps, residual)
+
+
+def layernorm_fwd_unchecked(x, weight, bias, eps, residual=None):
+    """:func:`layernorm_fwd` without its shape checks, for callers that made them (the norm ops)."""
     if x.dtype in TRITON_DTYPES and use_triton(x, weight, bias, residual):
         y, mean, rstd, xsum = _layernorm_fwd_op(x, weight, bias, float(eps), residual)
         return y, mean, rstd, (xsum if residual is not None else x)
@@ -517,6 +526,12 @@ def layernorm_bwd(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_
     deterministically, or None when not needed (then not computed; dweight is None if weight is).
     """
     _check("layernorm_bwd", xsum, dy, weight=weight)
+    return layernorm_bwd_unchecked(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra)
+
+
+def layernorm_bwd_unchecked(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxsum_extra=None):
+    """:func:`layernorm_bwd` without its shape checks, for callers whose ``dy`` has the forward
+    output's shape (autograd checks that) and whose forward was checked (the norm ops)."""
     if xsum.dtype in TRITON_DTYPES and use_triton(dy, xsum, weight, mean, rstd, dxsum_extra):
         dx, dw, db = _layernorm_bwd_op(
             dy, xsum, weight, mean, rstd, bool(need_dweight), bool(need_dbias), dxsum_extra
@@ -533,6 +548,11 @@ def rmsnorm_fwd(x, weight, eps, residual=None):
     :func:`layernorm_fwd` (``x`` itself without residual).
     """
     _check("rmsnorm_fwd", x, residual, weight=weight)
+    return rmsnorm_fwd_unchecked(x, weight, eps, residual)
+
+
+def rmsnorm_fwd_unchecked(x, weight, eps, residual=None):
+    """:func:`rmsnorm_fwd` without its shape checks, for callers that made them (the norm ops)."""
     if x.dtype in TRITON_DTYPES and use_triton(x, weight, residual):
         y, rstd, xsum = _rmsnorm_fwd_op(x, weight, float(eps), residual)
         return y, rstd, (xsum if residual is not None else x)
@@ -546,6 +566,11 @@ def rmsnorm_bwd(dy, xsum, weight, rstd, need_dweight, dxsum_extra=None):
     the weight's dtype (fp32 accumulation, deterministic) or None when not needed.
     """
     _check("rmsnorm_bwd", xsum, dy, weight=weight)
+    return rmsnorm_bwd_unchecked(dy, xsum, weight, rstd, need_dweight, dxsum_extra)
+
+
+def rmsnorm_bwd_unchecked(dy, xsum, weight, rstd, need_dweight, dxsum_extra=None):
+    """:func:`rmsnorm_bwd` without its shape checks (callers as :func:`layernorm_bwd_unchecked`)."""
     if xsum.dtype in TRITON_DTYPES and use_triton(dy, xsum, weight, rstd, dxsum_extra):
         dx, dw = _rmsnorm_bwd_op(dy, xsum, weight, rstd, bool(need_dweight), dxsum_extra)
         return dx, (dw if need_dweight and weight is not None else None)
@@ -573,6 +598,7 @@ def norm_fwd_fp8(x, weight, bias, eps, residual=None, *, is_rms: bool, amax: tor
 
 
 __all__ = [
-    "layernorm_bwd", "layernorm_bwd_ref", "layernorm_fwd", "layernorm_fwd_ref",
-    "norm_fwd_fp8", "rmsnorm_bwd", "rmsnorm_bwd_ref", "rmsnorm_fwd", "rmsnorm_fwd_ref",
+    "layernorm_bwd", "layernorm_bwd_ref", "layernorm_bwd_unchecked", "layernorm_fwd", "layernorm_fwd_ref",
+    "layernorm_fwd_unchecked", "norm_fwd_fp8", "rmsnorm_bwd", "rmsnorm_bwd_ref", "rmsnorm_bwd_unchecked",
+    "rmsnorm_fwd", "rmsnorm_fwd_ref", "rmsnorm_fwd_unchecked",
 ]

@@ -8,6 +8,8 @@ cast). :func:`sum_partials_ref` is its pure-torch twin.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from . import HAS_TRITON
@@ -59,9 +61,52 @@ def _tile(n: int, device) -> tuple[int, int]:
     return tile
 
 
+class _Workspaces(threading.local):
+    """This thread's partials buffers: ``bufs[(device index, slot)]`` a flat fp32 tensor, and
+    ``views[(device index, slot, P, N)]`` its first ``P * N`` elements as [P, N]."""
+
+    def __init__(self) -> None:
+        self.bufs: dict = {}
+        self.views: dict = {}
+
+
+_WS = _Workspaces()
+
+
+def partials_buffer(like: torch.Tensor, p: int, n: int, slot: int = 0) -> torch.Tensor:
+    """An fp32 [p, n] buffer for a kernel's row partials that :func:`sum_partials` reads right after
+    (``like``: a CUDA tensor of the call). A fresh tensor, except on the device's default stream:
+    there each thread reuses one buffer per device and ``slot`` (callers needing two buffers at
+    once use slots 0 and 1), grown when a call needs more (one allocation fewer per backward).
+
+    Why reuse is safe there: the partials are written by one launch and read by the next, both
+    issued by this thread on the default stream, and every later launch that writes the buffer
+    again is issued by this thread on that stream after them (so runs after them). Other threads
+    have their own buffers; other streams, and graph capture (never on the default stream), get
+    fresh tensors. The buffer holds the largest ``p * n`` asked for (at most a few MB per norm
+    backward: p is about two programs per SM)."""
+    dev = like.get_device()
+    if torch._C._cuda_getCurrentRawStream(dev) != 0:
+        return like.new_empty((p, n), dtype=torch.float32)
+    views = _WS.views
+    key = (dev, slot, p, n)
+    view = views.get(key)
+    if view is None:
+        buf = _WS.bufs.get((dev, slot))
+        if buf is None or buf.numel() < p * n:
+            # (the old buffer goes back to the allocator, stream-ordered: reused after the launches queued on it)
+            buf = _WS.bufs[(dev, slot)] = like.new_empty(max(p * n, 1 << 16), dtype=torch.float32)
+            for k in [k for k in views if k[:2] == (dev, slot)]:
+                del views[k]
+        if len(views) >= 64:  # (bounded: row counts that vary from call to call give new p)
+            views.clear()
+        view = views[key] = buf[: p * n].view(p, n)
+    return view
+
+
 def sum_partials_ref(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Pure-torch :func:`sum_partials`."""
     return part.sum(0, dtype=torch.float32).to(dtype)
 
 
-__all__ = ["sum_partials", "sum_partials_ref"]
+__all__ = ["partials_buffer", "sum_partials", "sum_partials_ref"]

@@ -50,10 +50,13 @@ class _Norm(BasicOperation):
     _IS_RMS = False
 
     def norm_forward(self, ctx, x: torch.Tensor, residual=None, quant=None):
-        """Run the (optionally residual-fused) forward and fill ``ctx``. Returns (y, xsum). With
-        ``quant`` (the next FP8 linear's :class:`~fusible_ops.quantization.InputQuantizer`) y is
-        that linear's FP8 input, written by the norm kernel itself."""
+        """Check ``x`` (as :meth:`check_input`; ``residual``, if any, must have been checked
+        against ``x`` by the caller), run the (optionally residual-fused) forward and fill ``ctx``.
+        Returns (y, xsum). With ``quant`` (the next FP8 linear's
+        :class:`~fusible_ops.quantization.InputQuantizer`) y is that linear's FP8 input, written by
+        the norm kernel itself."""
         w = self.weight  # (each parameter read once per call: reads go through Module.__getattr__)
+        check_input(self, x, features=self.size, like=w, same_dtype=False)
         bias = None if self._IS_RMS else self.bias
         if (not ctx.requires_grad and quant is None and x.dtype in _NATIVE_DTYPES and w.dtype is x.dtype
                 and (bias is None or bias.dtype is x.dtype) and not use_triton(x, w)):
@@ -78,9 +81,9 @@ class _Norm(BasicOperation):
         rms = self._IS_RMS
         if quant is None:
             if rms:
-                y, rstd, xsum = _K.rmsnorm_fwd(x, w, self.eps, residual)
+                y, rstd, xsum = _K.rmsnorm_fwd_unchecked(x, w, self.eps, residual)
                 return y, None, rstd, xsum
-            return _K.layernorm_fwd(x, w, bias, self.eps, residual)
+            return _K.layernorm_fwd_unchecked(x, w, bias, self.eps, residual)
         stats = []
 
         def run(amax=None, **fp8):
@@ -95,7 +98,6 @@ class _Norm(BasicOperation):
         return (y,) + tuple(stats[0][1:])
 
     def op_forward(self, ctx, x, **kwargs):
-        self.check_input(x)
         y, _ = self.norm_forward(ctx, x, quant=kwargs.get("next_op_input_quantizer"))
         return y
 
@@ -111,7 +113,7 @@ class LayerNorm(_Norm):
 
     def norm_backward(self, ctx, dy, dxsum_extra=None):
         xsum, w, mean, rstd = ctx.saved_tensors
-        dx, dw, db = _K.layernorm_bwd(dy, xsum, w, mean, rstd, ctx.weight_grad, ctx.bias_grad, dxsum_extra)
+        dx, dw, db = _K.layernorm_bwd_unchecked(dy, xsum, w, mean, rstd, ctx.weight_grad, ctx.bias_grad, dxsum_extra)
         return dx, (dw, db)
 
     def reference_forward(self, x):
@@ -130,7 +132,7 @@ class RMSNorm(_Norm):
 
     def norm_backward(self, ctx, dy, dxsum_extra=None):
         xsum, w, _, rstd = ctx.saved_tensors
-        dx, dw = _K.rmsnorm_bwd(dy, xsum, w, rstd, ctx.weight_grad, dxsum_extra)
+        dx, dw = _K.rmsnorm_bwd_unchecked(dy, xsum, w, rstd, ctx.weight_grad, dxsum_extra)
         return dx, (dw,)
 
     def reference_forward(self, x):

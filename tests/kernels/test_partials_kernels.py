@@ -33,3 +33,64 @@ def test_sum_partials_non_contiguous_and_empty():
 def test_sum_partials_is_deterministic():
     part = torch.randn(300, 129, generator=torch.Generator().manual_seed(5)).to(DEV)
     assert torch.equal(sum_partials(part, torch.float32), sum_partials(part, torch.float32))
+
+
+@pytest.mark.gpu
+def test_partials_buffer_reused_on_the_default_stream_only():
+    """One buffer per (thread, device, slot) on the default stream, grown when needed; fresh tensors
+    on any other stream (graph capture runs on one) and in another thread."""
+    import threading
+
+    from fusible_ops.kernels.partials import partials_buffer
+
+    like = torch.empty(1, device="cuda")
+    a = partials_buffer(like, 8, 100, 0)
+    assert a.shape == (8, 100) and a.dtype == torch.float32 and a.is_contiguous()
+    assert partials_buffer(like, 8, 100, 0) is a
+    b = partials_buffer(like, 8, 100, 1)  # the other slot: another buffer
+    assert b.data_ptr() != a.data_ptr()
+    big = partials_buffer(like, 300, 1 << 12, 0)  # grows slot 0: its old views are dropped
+    assert big.shape == (300, 1 << 12) and partials_buffer(like, 8, 100, 0).data_ptr() == big.data_ptr()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        s1, s2 = partials_buffer(like, 8, 100, 0), partials_buffer(like, 8, 100, 0)
+    assert s1.data_ptr() != s2.data_ptr() and s1.data_ptr() != big.data_ptr()
+    got = []
+    t = threading.Thread(target=lambda: got.append(partials_buffer(like, 8, 100, 0)))
+    t.start()
+    t.join()
+    assert got[0].data_ptr() != big.data_ptr()
+
+
+@pytest.mark.gpu
+def test_norm_backwards_in_turns_reusing_partials_match_fresh_buffers():
+    """Norm backwards of different widths issued back to back on the default stream (each reusing
+    the partials buffers the one before filled, slot 1 for dbias) give bit for bit what the same
+    calls give on a side stream, where every call gets fresh buffers (the sums are deterministic)."""
+    from fusible_ops.kernels import norm as N
+
+    gen = torch.Generator().manual_seed(11)
+    cases = []
+    for rows, n in [(4096, 1024), (64, 4096), (4096, 1024), (333, 2048), (8, 64)]:
+        x, dy = torch.randn(rows, n, generator=gen).cuda(), torch.randn(rows, n, generator=gen).cuda()
+        w, b = (torch.rand(n, generator=gen) + 0.5).cuda(), torch.randn(n, generator=gen).cuda()
+        cases.append((x, w, b, dy))
+
+    def run_all():
+        outs = []
+        for x, w, b, dy in cases:  # all issued before any result is read
+            _, mean, rstd, xs = N.layernorm_fwd(x, w, b, 1e-5)
+            outs.append(N.layernorm_bwd(dy, xs, w, mean, rstd, True, True))
+            _, rstd, xs = N.rmsnorm_fwd(x, w, 1e-5)
+            outs.append(N.rmsnorm_bwd(dy, xs, w, rstd, True))
+        return outs
+
+    reused = run_all()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fresh = run_all()
+    torch.cuda.synchronize()
+    for a, b in zip(reused, fresh):
+        for ta, tb in zip(a, b):
+            assert ta is not None and torch.equal(ta, tb)
