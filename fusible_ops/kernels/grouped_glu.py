@@ -31,7 +31,7 @@ from . import HAS_TRITON, interpreter_enabled, use_triton
 from .act_table import ACT_IDS, GLU_BASE, act_and_grad_ref, dact_ref
 from .fp8_grouped_gemm import fp8_triton_ok
 from .grouped_gemm import grouped_dgrad_acc_ref, grouped_gemm_fwd_ref
-from .launch import TRITON_DTYPES, TunedKernel, cdiv, compute_dtype, dot_precision, kernel_op
+from .launch import TRITON_DTYPES, TunedKernel, cdiv, compute_dtype, dot_precision, kernel_op, placeholder
 from .persistent import INTERP_MN, check_splits, group_p2, persistent_grid, same_dtype, tma_ok
 
 KINDS = ("swiglu", "scaled_swiglu", "geglu", "geglu_tanh")
@@ -341,7 +341,7 @@ def _dglu_launch(dy2, w2, split_sizes, h, kind, scales, need_dscales, fp8=None):
     # (no [0, M] placeholder when the scales' gradient is not asked for: an allocation costs host time)
     parts = dy2.new_empty((cdiv(F, bn_min), M), dtype=torch.float32) if need_ds else None
     if M == 0 or F == 0:
-        return dh, y, parts.sum(0) if need_ds else dh.new_empty(0, dtype=torch.float32)
+        return dh, y, parts.sum(0) if need_ds else None
     fp8_args = fp8 if fp8 is not None else (dh, dh, dh)
     tensors = (dy2, w2, h, scales if scales is not None else h, dh, y if fp8 is None else dh, parts if need_ds else dh,
                split_sizes, *fp8_args)
@@ -362,14 +362,15 @@ def _dglu_launch(dy2, w2, split_sizes, h, kind, scales, need_dscales, fp8=None):
         return args, const, persistent_grid(M, G, F, dy2.device)
     kernel = DGLU_KERNEL if fp8 is None else DGLU_FP8_KERNEL
     kernel.launch_cached(key, tensors, build, dy2.dtype, dy2.device)
-    return dh, y, parts.sum(0) if need_ds else dh.new_empty(0, dtype=torch.float32)
+    return dh, y, parts.sum(0) if need_ds else None  # (eager calls allocate no placeholder)
 
 
-@kernel_op("fusible_ops::grouped_dglu", mutates_args=())
+@kernel_op("fusible_ops::grouped_dglu", mutates_args=(), eager=_dglu_launch)
 def _grouped_dglu_op(dy2: torch.Tensor, w2: torch.Tensor, split_sizes: torch.Tensor, h: torch.Tensor, kind: str,
                      scales: Optional[torch.Tensor], need_dscales: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _dglu_launch(dy2, w2, split_sizes, h, kind, scales, need_dscales)
+    dh, y, ds = _dglu_launch(dy2, w2, split_sizes, h, kind, scales, need_dscales)
+    return dh, y, placeholder(ds, dh, torch.float32)
 
 
 @_grouped_dglu_op.register_fake
@@ -394,12 +395,17 @@ def _(x, sx, w1, sw, split_sizes, bias1, kind, scales, out_dtype, amax, gather):
     return x.new_empty((m, F), dtype=out_dtype), x.new_empty((m, 2 * F), dtype=out_dtype)
 
 
-@kernel_op("fusible_ops::grouped_dglu_fp8", mutates_args=("amax",))
+def _dglu_fp8_eager(dy2, sdy, w2t, sw, split_sizes, h, kind, scales, need_dscales, amax):
+    dh, _, ds = _dglu_launch(dy2, w2t, split_sizes, h, kind, scales, need_dscales, (sdy, sw, amax))
+    return dh, ds
+
+
+@kernel_op("fusible_ops::grouped_dglu_fp8", mutates_args=("amax",), eager=_dglu_fp8_eager)
 def _grouped_dglu_fp8_op(dy2: torch.Tensor, sdy: torch.Tensor, w2t: torch.Tensor, sw: torch.Tensor,
                          split_sizes: torch.Tensor, h: torch.Tensor, kind: str, scales: Optional[torch.Tensor],
                          need_dscales: bool, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    dh, _, ds = _dglu_launch(dy2, w2t, split_sizes, h, kind, scales, need_dscales, (sdy, sw, amax))
-    return dh, ds
+    dh, ds = _dglu_fp8_eager(dy2, sdy, w2t, sw, split_sizes, h, kind, scales, need_dscales, amax)
+    return dh, placeholder(ds, dh, torch.float32)
 
 
 @_grouped_dglu_fp8_op.register_fake
