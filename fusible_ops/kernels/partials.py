@@ -83,8 +83,8 @@ def partials_buffer(like: torch.Tensor, p: int, n: int, slot: int = 0) -> torch.
     issued by this thread on the default stream, and every later launch that writes the buffer
     again is issued by this thread on that stream after them (so runs after them). Other threads
     have their own buffers; other streams, and graph capture (never on the default stream), get
-    fresh tensors. The buffer holds the largest ``p * n`` asked for (at most a few MB per norm
-    backward: p is about two programs per SM)."""
+    fresh tensors. The buffer holds the largest ``p * n`` asked for (the norm backward's p is 2 to
+    4 programs per SM: 17 MB of fp32 at hidden 16384 on a 132-SM GPU)."""
     dev = like.get_device()
     if torch._C._cuda_getCurrentRawStream(dev) != 0:
         return like.new_empty((p, n), dtype=torch.float32)
