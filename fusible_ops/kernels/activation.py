@@ -42,7 +42,7 @@ from fusible_ops.kernels.activation_ref import (  # noqa: F401  (re-exported: on
 )
 from fusible_ops.kernels.dropout import keep_scale, kernel_seed
 from fusible_ops.kernels.fp8_cast import FP8_MAX_OF, fp8_epilogue_ref
-from fusible_ops.kernels.partials import sum_partials
+from fusible_ops.kernels.partials import partials_buffer, sum_partials
 from fusible_ops.kernels.launch import (MIN_BLOCK_C, DirectKernel, as_rows, cdiv, contiguous_or, elementwise_config,
                                         geometry_cache, kernel_op, needs_int64, next_pow2, num_sms, placeholder,
                                         remember)
@@ -338,10 +338,16 @@ def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout
     dy2 = dy if asis_dy else as_rows(dy.reshape(*x.shape[:-1], n_out))
     one_prog, one_block = grid[0] == 1, n_col_blocks == 1
     # one row program (column block) writes the column (row) sums straight in the output dtype
-    dbp = (torch.empty((grid[0], n_in), dtype=bias.dtype if one_prog else torch.float32, device=x.device)
-           if need_dbias else x2)
-    dsp = (torch.empty((n_col_blocks, n_rows), dtype=scales.dtype if one_block else torch.float32, device=x.device)
-           if need_dscales else x2)
+    # (several programs: fp32 partials summed right after, in a buffer reused on the default stream)
+    if need_dbias:
+        dbp = x2.new_empty((1, n_in), dtype=bias.dtype) if one_prog else partials_buffer(x2, grid[0], n_in, 0)
+    else:
+        dbp = x2
+    if need_dscales:
+        dsp = (x2.new_empty((1, n_rows), dtype=scales.dtype) if one_block
+               else partials_buffer(x2, n_col_blocks, n_rows, 1))
+    else:
+        dsp = x2
     bias_c = contiguous_or(bias, x2)
     scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
     _BWD(grid, key, (dy2, x2, bias_c, scales_c, dx, dbp, dsp, n_rows, n_out, dy2.stride(0), x2.stride(0),

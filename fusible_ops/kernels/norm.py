@@ -376,12 +376,8 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
     xs2 = as_rows(xsum)
     dxe2 = as_rows(dxsum_extra) if dxsum_extra is not None else dy2
     dx2 = dx if dx.dim() == 2 else dx.view(rows, n)
-    if xs2.is_cuda:  # (one buffer per slot, reused on the default stream: see partials_buffer)
-        dw_part = partials_buffer(xs2, nprog, n, 0) if need_dweight else dx2
-        db_part = partials_buffer(xs2, nprog, n, 1) if need_db_kernel else dx2
-    else:  # (Triton's interpreter)
-        dw_part = xs2.new_empty((nprog, n), dtype=torch.float32) if need_dweight else dx2
-        db_part = xs2.new_empty((nprog, n), dtype=torch.float32) if need_db_kernel else dx2
+    dw_part = partials_buffer(xs2, nprog, n, 0) if need_dweight else dx2
+    db_part = partials_buffer(xs2, nprog, n, 1) if need_db_kernel else dx2
     rstd = contiguous_or(rstd, rstd)
     mean = rstd if is_rms else contiguous_or(mean, mean)
     _BWD(grid, key, (dy2, xs2, contiguous_or(weight, xs2), mean, rstd, dxe2, dx2, dw_part, db_part, rows, n,

@@ -75,7 +75,7 @@ _WS = _Workspaces()
 
 def partials_buffer(like: torch.Tensor, p: int, n: int, slot: int = 0) -> torch.Tensor:
     """An fp32 [p, n] buffer for a kernel's row partials that :func:`sum_partials` reads right after
-    (``like``: a CUDA tensor of the call). A fresh tensor, except on the device's default stream:
+    (``like``: a tensor of the call). A fresh tensor, except on a CUDA device's default stream:
     there each thread reuses one buffer per device and ``slot`` (callers needing two buffers at
     once use slots 0 and 1), grown when a call needs more (one allocation fewer per backward).
 
@@ -85,8 +85,8 @@ def partials_buffer(like: torch.Tensor, p: int, n: int, slot: int = 0) -> torch.
     have their own buffers; other streams, and graph capture (never on the default stream), get
     fresh tensors. The buffer holds the largest ``p * n`` asked for (the norm backward's p is 2 to
     4 programs per SM: 17 MB of fp32 at hidden 16384 on a 132-SM GPU)."""
-    dev = like.get_device()
-    if torch._C._cuda_getCurrentRawStream(dev) != 0:
+    dev = like.get_device()  # (-1 off CUDA: Triton's interpreter)
+    if dev < 0 or torch._C._cuda_getCurrentRawStream(dev) != 0:
         return like.new_empty((p, n), dtype=torch.float32)
     views = _WS.views
     key = (dev, slot, p, n)

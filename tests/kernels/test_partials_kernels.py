@@ -63,10 +63,12 @@ def test_partials_buffer_reused_on_the_default_stream_only():
 
 
 @pytest.mark.gpu
-def test_norm_backwards_in_turns_reusing_partials_match_fresh_buffers():
-    """Norm backwards of different widths issued back to back on the default stream (each reusing
-    the partials buffers the one before filled, slot 1 for dbias) give bit for bit what the same
-    calls give on a side stream, where every call gets fresh buffers (the sums are deterministic)."""
+def test_backwards_in_turns_reusing_partials_match_fresh_buffers():
+    """Norm and bias-activation backwards of different widths issued back to back on the default
+    stream (each reusing the partials buffers the one before filled) give bit for bit what the
+    same calls give on a side stream, where every call gets fresh buffers (the sums are
+    deterministic)."""
+    from fusible_ops.kernels import activation as A
     from fusible_ops.kernels import norm as N
 
     gen = torch.Generator().manual_seed(11)
@@ -83,6 +85,7 @@ def test_norm_backwards_in_turns_reusing_partials_match_fresh_buffers():
             outs.append(N.layernorm_bwd(dy, xs, w, mean, rstd, True, True))
             _, rstd, xs = N.rmsnorm_fwd(x, w, 1e-5)
             outs.append(N.rmsnorm_bwd(dy, xs, w, rstd, True))
+            outs.append(A.bias_act_bwd(dy, x, b, "gelu", True))
         return outs
 
     reused = run_all()
