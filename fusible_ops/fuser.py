@@ -37,6 +37,8 @@ from .op import STATE_EPOCH as _STATE_EPOCH
 from .op import BasicOperation, OperationContext
 from .quantization.recipes import current_recipe
 from .quantization.tensor import Float8Tensor
+from . import replay as _replay
+from .replay import Replayer
 from .rules import Decline, FusionContext, Group, RuleSet, disabled_key, global_rules, plan_pass
 
 CPU_AUTOGRAD = os.environ.get("FUSIBLE_OPS_CPU_AUTOGRAD", "1") != "0"
@@ -103,6 +105,9 @@ class Plan:
     gated: Optional[tuple] = None
     gated_all: Optional[tuple] = None
     device_type: str = "cpu"  # of the calls this plan serves (part of the key)
+    # CUDA training plan whose steps are all ``replayable`` (no flagged weights, no FP8, no extra
+    # outputs): its calls are replayed from C++ (fusible_ops.replay.Replayer), else None
+    replay: Optional[Replayer] = None
 
     def __post_init__(self) -> None:
         # What every call reads, computed once per plan (the host path stays short).
@@ -330,6 +335,10 @@ class OperationFuser:
             RoutedSteps(plan, ops, self._routing).install()
         else:
             plan.compile_steps(ops)
+        if (_replay.ENABLED and requires_grad and x.device.type == "cuda" and self._routing is None
+                and base["recipe"] is None and not self._wgrad_flagged and not self._parametrized
+                and self.num_extra_outputs == 0 and all(g.op.replayable for g in fwd + bwd)):
+            plan.replay = Replayer(self, plan, len(extra_inputs))
         return plan
 
     def _split_extra(self, extra_inputs: Sequence) -> list[tuple]:
@@ -396,6 +405,12 @@ class OperationFuser:
             if self.num_extra_outputs == 0:
                 return y
             return (y, *[t for e in extra_outputs for t in e])
+        replay = plan.replay
+        if (replay is not None and type(x) is torch.Tensor and _forward_ad._current_level < 0
+                and not _is_compiling() and not _transforms_active()):
+            y = replay.run(x, extra_inputs, params)  # (None: this call takes the Python path)
+            if y is not None:
+                return y
         args = [*extra_inputs, *params] if extra_inputs else params
         if not _is_compiling() and not _transforms_active():
             # autograd.Function.apply's Python preamble, minus what eager calls do not need. A

@@ -103,6 +103,13 @@ class FusibleOperation(torch.nn.Module):
     sets it computes with ``ctx.gated_weight`` when that is set (its trainable ``weight`` may go
     through :class:`~fusible_ops.grad.ContractGate`, which keeps the gradient contract)."""
 
+    replayable: bool = False
+    """True when, on CUDA, this op's forward and backward (``fuser_forward`` / ``fuser_backward``, or
+    ``op_forward`` / ``op_backward``) issue only cached Triton launches (``DirectKernel``),
+    allocations and views, every launch argument a function of the inputs' sizes, strides, dtypes,
+    device and this op's attributes, and return their gradients to autograd as they are. A
+    training plan whose steps all set it is replayed from C++ (:mod:`fusible_ops.replay`)."""
+
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
         self._bump_state_version()

@@ -23,6 +23,7 @@ class ForwardAddNorm(FusedOperation):
 
     writes_fp8_output = True
     cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
+    replayable = True  # (see FusibleOperation.replayable)
 
     def __init__(self, ops) -> None:
         super().__init__(ops)
@@ -45,6 +46,8 @@ class ForwardAddNorm(FusedOperation):
 
 
 class BackwardAddNorm(FusedOperation):
+    replayable = True  # (see FusibleOperation.replayable)
+
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
         norm = self.basic_ops[-1]
         dextra = grad_extra_outputs[1][0] if len(self.basic_ops) == 3 else None

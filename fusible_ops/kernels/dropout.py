@@ -36,7 +36,7 @@ from typing import Optional, Union
 import torch
 
 from fusible_ops.kernels import HAS_TRITON, use_triton
-from fusible_ops.kernels.launch import (DirectKernel, as_rows, cdiv, compute_dtype, elementwise_config, geometry_cache,
+from fusible_ops.kernels.launch import (RECORDER, DirectKernel, as_rows, cdiv, compute_dtype, elementwise_config, geometry_cache,
                                         kernel_op, needs_int64, remember)
 
 if HAS_TRITON:
@@ -143,6 +143,8 @@ def kernel_seed(p: float, seed: Optional[Seed], device) -> Optional[torch.Tensor
     """Checked ``(p, seed)`` of a kernel call with optional dropout: the seed as the int64 ``[1]``
     tensor the kernels read when ``p > 0``, else None."""
     check_p_seed(p, seed)
+    if p > 0.0 and RECORDER[0] is not None:  # (a new mask per call: never a replayed constant)
+        RECORDER[0].fail("dropout draws a seed per call")
     return seed_tensor(seed, device) if p > 0.0 else None
 
 

@@ -262,6 +262,8 @@ class DirectKernel:
 
     def _first(self, grid, key, args, meta, aligned) -> None:
         """Through Triton; keeps the compiled kernel (CUDA, aligned tensors)."""
+        if RECORDER[0] is not None:
+            RECORDER[0].fail(f"{self.kernel.__name__} launched through Triton (compile or unaligned pointer)", True)
         dev = args[0].get_device()  # -1 on CPU (Triton's interpreter)
         if dev >= 0 and dev != torch._C._cuda_getDevice():  # launch on the tensors' device
             with torch.cuda.device(dev):
@@ -270,7 +272,7 @@ class DirectKernel:
         if DIRECT and aligned and ck is not None:
             remember(self._bins, key, (self._launcher(ck, args, meta, dev), dev,
                                        self._spec(args, meta, dev) if CHECK_DIRECT else None,
-                                       tuple([i for i, a in enumerate(args) if isinstance(a, torch.Tensor)])))
+                                       tuple([i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]), ck))
 
     def _launcher(self, ck, args, meta, dev: int):
         """``go(grid, stream, args)``: the compiled kernel's launch with the constexprs appended.
@@ -346,10 +348,18 @@ def _raw_stream(dev: int) -> int:
     return torch._C._cuda_getCurrentRawStream(dev)
 
 
+RECORDER: list = [None]
+"""``[recorder]`` while :mod:`fusible_ops.replay` records a call (it sees every launch of a cached
+binary, and hears of any other Triton launch), else ``[None]``."""
+
+
 def _run_binary(entry: tuple, grid: tuple, raw: Sequence) -> None:
-    """Launch a cached binary (``entry``: ``(go, device, spec)``) on the current stream of its
-    device, switching to that device for the launch when it is not the current one."""
+    """Launch a cached binary (``entry``: ``(go, device, spec, tensor positions, compiled kernel)``)
+    on the current stream of its device, switching to that device for the launch when it is not
+    the current one."""
     go, dev = entry[0], entry[1]
+    if RECORDER[0] is not None:
+        RECORDER[0].launch(entry, grid, raw)
     if _MULTI_GPU and dev != torch._C._cuda_getDevice():
         with torch.cuda.device(dev):
             go(grid, _raw_stream(dev), raw)
@@ -504,6 +514,8 @@ class TunedKernel:
             key = self._key(args, const)
             cfg = self._chosen.get(key)
             if cfg is None:
+                if RECORDER[0] is not None:
+                    RECORDER[0].fail(f"{self.kernel.__name__} autotuned", True)
                 self.tuned[grid](*args, **const)
                 best = getattr(self.tuned, "best_config", None)
                 if best is not None:
@@ -515,7 +527,7 @@ class TunedKernel:
         return remember(self._ready, sig, (grid(cfg.kwargs), meta))
 
 
-__all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "TRITON_DTYPES", "DirectKernel", "TunedKernel", "arg_classes", "as_rows",
+__all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "RECORDER", "TRITON_DTYPES", "DirectKernel", "TunedKernel", "arg_classes", "as_rows",
            "cast_to", "cdiv", "clear_geometry_caches", "compute_dtype", "contiguous_or", "dot_precision", "elementwise_config", "generic_key",
            "geometry_cache",
            "kernel_op", "needs_int64", "next_pow2", "num_sms", "placeholder", "remember"]

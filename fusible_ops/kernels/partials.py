@@ -13,7 +13,7 @@ import threading
 import torch
 
 from . import HAS_TRITON
-from .launch import DirectKernel, cdiv, geometry_cache, next_pow2, num_sms, remember
+from .launch import RECORDER, DirectKernel, cdiv, geometry_cache, next_pow2, num_sms, remember
 
 if HAS_TRITON:
     import triton
@@ -86,7 +86,8 @@ def partials_buffer(like: torch.Tensor, p: int, n: int, slot: int = 0) -> torch.
     fresh tensors. The buffer holds the largest ``p * n`` asked for (the norm backward's p is 2 to
     4 programs per SM: 17 MB of fp32 at hidden 16384 on a 132-SM GPU)."""
     dev = like.get_device()  # (-1 off CUDA: Triton's interpreter)
-    if dev < 0 or torch._C._cuda_getCurrentRawStream(dev) != 0:
+    if dev < 0 or torch._C._cuda_getCurrentRawStream(dev) != 0 or RECORDER[0] is not None:
+        # (a call being recorded for replay allocates its partials: the replay allocates them too)
         return like.new_empty((p, n), dtype=torch.float32)
     views = _WS.views
     key = (dev, slot, p, n)

@@ -30,6 +30,7 @@ class Activation(BasicOperation):
 
     kind: str = ""
     cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
+    replayable = True  # (see FusibleOperation.replayable)
     gated: bool = False
 
     def check_input(self, x: torch.Tensor) -> None:

@@ -1,0 +1,256 @@
+"""C++ replay of fused CUDA training calls (fusible_ops.replay): a replayed call gives bit for bit the
+outputs and gradients of the Python path, and every call it cannot serve takes the Python path.
+The GPU tests build the extension (about a minute, once per machine); the CPU tests check the
+recording's pieces and that nothing is replayed off CUDA."""
+
+import copy
+import types
+
+import pytest
+import torch
+
+import fusible_ops as fo
+from fusible_ops import replay as R
+
+DEV = "cuda"
+gpu = pytest.mark.gpu
+
+
+def _plan(seq):
+    fuser = seq._only
+    return fuser._plans[fuser.last_key]
+
+
+def _cases(dt=torch.bfloat16):
+    kw = dict(device=DEV, dtype=dt)
+    yield "residual_rmsnorm", lambda: fo.Sequential(fo.AddExtraInput(), fo.RMSNorm(384, **kw)), [(2, 96, 384), (2, 96, 384)]
+    yield "residual_layernorm", lambda: fo.Sequential(fo.AddExtraInput(), fo.LayerNorm(1000, **kw)), [(33, 1000), (33, 1000)]
+    yield "rmsnorm", lambda: fo.Sequential(fo.RMSNorm(4096, **kw)), [(300, 4096)]
+    yield "swiglu", lambda: fo.Sequential(fo.SwiGLU()), [(4, 65, 512)]
+    yield "gelu", lambda: fo.Sequential(fo.GELU()), [(257, 768)]
+
+
+def _run(seq, xs, dy, n=3):
+    """n forward + backward calls; the last call's output and every gradient (accumulated)."""
+    for t in [*xs, *seq.parameters()]:
+        t.grad = None
+    for _ in range(n):
+        y = seq(*xs)
+        y.backward(dy)
+    return y, [t.grad for t in xs], [p.grad for p in seq.parameters()]
+
+
+def _inputs(shapes, dt=torch.bfloat16, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return [torch.randn(*s, device=DEV, dtype=dt, generator=g).requires_grad_() for s in shapes]
+
+
+def _same(a, b):
+    assert (a is None) == (b is None)
+    if a is not None:
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def _no_replay(fn):
+    old, R.ENABLED = R.ENABLED, False
+    try:
+        return fn()
+    finally:
+        R.ENABLED = old
+
+
+@gpu
+@pytest.mark.parametrize("name", [c[0] for c in _cases()])
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
+def test_replay_matches_python_path_bit_for_bit(name, dt):
+    _, make, shapes = next(c for c in _cases(dt) if c[0] == name)
+    seq = make()
+    with torch.no_grad():
+        for p in seq.parameters():
+            p.uniform_(0.5, 1.5)
+    twin = copy.deepcopy(seq)
+    xs = _inputs(shapes, dt)
+    xs2 = [x.detach().clone().requires_grad_() for x in xs]
+    y = seq(*xs)
+    dy = torch.randn_like(y)
+    got = _run(seq, xs, dy)
+    want = _no_replay(lambda: _run(twin, xs2, dy))
+    plan = _plan(seq)
+    # (call 1 ran no backward: call 2 compiles it while recording, call 3 records)
+    assert plan.replay is not None and plan.replay.replayed >= 2, R.record.last_failure
+    assert _plan(twin).replay is None
+    assert got[0].grad_fn.name() == "FusibleReplayBackward"
+    _same(got[0], want[0])
+    for a, b in zip(got[1] + got[2], want[1] + want[2]):
+        _same(a, b)
+
+
+@gpu
+def test_replay_declines_what_it_was_not_recorded_for():
+    _, make, shapes = next(c for c in _cases() if c[0] == "residual_rmsnorm")
+    seq = make()
+    twin = copy.deepcopy(seq)
+    xs = _inputs(shapes)
+    dy = torch.randn(shapes[0], device=DEV, dtype=torch.bfloat16)
+    _run(seq, xs, dy)
+    plan = _plan(seq)
+    n = plan.replay.replayed
+    assert n >= 2
+    # an input 2 bytes off 16-byte alignment: the recipe declines, the Python path serves it
+    buf = torch.randn(2 * 96 * 384 + 1, device=DEV, dtype=torch.bfloat16)
+    x_odd = buf[1:].view(2, 96, 384).requires_grad_()
+    r = xs[1].detach().clone().requires_grad_()
+    y = seq(x_odd, r)
+    assert y.grad_fn.name() != "FusibleReplayBackward" and plan.replay.replayed == n
+    y2 = _no_replay(lambda: twin(x_odd.detach().clone(), r.detach()))
+    _same(y, y2)
+    # a residual that is not a tensor: the Python path's own error
+    with pytest.raises((TypeError, ValueError)):
+        seq(xs[0], 1.0)
+    # a gradient with other strides (expanded): copied to the recorded layout
+    x, r = [t.detach().clone().requires_grad_() for t in xs]
+    y = seq(x, r)
+    assert y.grad_fn.name() == "FusibleReplayBackward"
+    y.sum().backward()
+    x2, r2 = [t.detach().clone().requires_grad_() for t in xs]
+    _no_replay(lambda: twin(x2, r2).sum().backward())
+    _same(x.grad, x2.grad)
+    _same(r.grad, r2.grad)
+
+
+@gpu
+def test_replay_frozen_weight_and_partial_grads():
+    _, make, shapes = next(c for c in _cases() if c[0] == "residual_rmsnorm")
+    seq = make()
+    seq[1].weight.requires_grad_(False)
+    twin = copy.deepcopy(seq)
+    xs = _inputs(shapes)
+    dy = torch.randn(shapes[0], device=DEV, dtype=torch.bfloat16)
+    got = _run(seq, xs, dy)
+    assert _plan(seq).replay.replayed >= 2
+    assert seq[1].weight.grad is None
+    xs2 = [x.detach().clone().requires_grad_() for x in xs]
+    want = _no_replay(lambda: _run(twin, xs2, dy))
+    for a, b in zip(got[1], want[1]):
+        _same(a, b)
+    # only the residual requires grad; torch.autograd.grad of it alone
+    x = xs[0].detach()
+    r = xs[1].detach().clone().requires_grad_()
+    for _ in range(3):
+        (g,) = torch.autograd.grad(seq(x, r), r, dy)
+    (g2,) = _no_replay(lambda: torch.autograd.grad(twin(x, r), r, dy))
+    _same(g, g2)
+
+
+@gpu
+def test_replay_backward_twice_and_retain_graph():
+    _, make, shapes = next(c for c in _cases() if c[0] == "rmsnorm")
+    seq = make()
+    xs = _inputs(shapes)
+    dy = torch.randn(shapes[0], device=DEV, dtype=torch.bfloat16)
+    _run(seq, xs, dy)
+    x = xs[0].detach().clone().requires_grad_()
+    y = seq(x)
+    assert y.grad_fn.name() == "FusibleReplayBackward"
+    y.backward(dy, retain_graph=True)
+    g1 = x.grad.clone()
+    y.backward(dy)
+    _same(x.grad, 2 * g1)
+    with pytest.raises(RuntimeError, match="second time"):
+        y.backward(dy)
+
+
+@gpu
+def test_replay_not_planned_for_unreplayable_ops():
+    kw = dict(device=DEV, dtype=torch.bfloat16)
+    for seq, args in [(fo.Sequential(fo.GELU(), fo.Dropout(0.1)).train(), (torch.randn(256, 512, **kw),)),
+                      (fo.Sequential(fo.Linear(256, 512, **kw), fo.GELU()), (torch.randn(256, 256, **kw),))]:
+        args[0].requires_grad_()
+        for _ in range(3):
+            seq(*args).sum().backward()
+        assert _plan(seq).replay is None
+
+
+@gpu
+def test_replay_under_cuda_graphs():
+    _, make, shapes = next(c for c in _cases() if c[0] == "residual_rmsnorm")
+    seq = make()
+    twin = copy.deepcopy(seq)
+    xs = _inputs(shapes)
+    dy = torch.randn(shapes[0], device=DEV, dtype=torch.bfloat16)
+    _run(seq, xs, dy)  # (recorded and replayed eagerly first)
+    sample = [x.detach().clone().requires_grad_() for x in xs]
+    g = fo.make_graphed_callables(seq, tuple(sample))
+    for p in seq.parameters():
+        p.grad.zero_()  # (graphed: zero, not None, between steps)
+    outs = []
+    for _ in range(3):
+        x, r = [t.detach().clone().requires_grad_() for t in xs]
+        y = g(x, r)
+        y.backward(dy)
+        outs.append((y.detach().clone(), x.grad, r.grad))
+    for p in twin.parameters():
+        p.grad = None
+    for y, gx, gr in outs:
+        x, r = [t.detach().clone().requires_grad_() for t in xs]
+        y2 = _no_replay(lambda: twin(x, r))
+        y2.backward(dy)
+        _same(y, y2.detach())
+        _same(gx, x.grad)
+        _same(gr, r.grad)
+    _same(seq[1].weight.grad, twin[1].weight.grad)
+
+
+# ---------------------------------------------------------------- CPU: the recording's pieces
+
+def test_no_replay_off_cuda():
+    seq = fo.Sequential(fo.AddExtraInput(), fo.RMSNorm(16))
+    x, r = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)
+    for _ in range(3):
+        seq(x, r).sum().backward()
+    assert _plan(seq).replay is None
+
+
+def test_kernel_params_follow_triton_launcher():
+    fn = types.SimpleNamespace(arg_names=["X", "Y", "n", "one", "eps", "BLOCK"], __name__="k")
+    src = types.SimpleNamespace(fn=fn, signature={"X": "*bf16", "Y": "*fp32", "n": "i32", "one": "constexpr",
+                                                  "eps": "fp32", "BLOCK": "constexpr"},
+                                constants={(3,): 1, (5,): 128})
+    md = types.SimpleNamespace(global_scratch_size=0, profile_scratch_size=0, num_ctas=1, num_warps=4, shared=0)
+    params = R._kernel_params(types.SimpleNamespace(src=src, metadata=md))
+    assert params == [(0, "*bf16"), (1, "*fp32"), (2, "i32"), (4, "fp32"), (None, "*scratch"), (None, "*scratch")]
+    md.global_scratch_size = 64
+    with pytest.raises(R._Refuse, match="global_scratch"):
+        R._kernel_params(types.SimpleNamespace(src=src, metadata=md))
+    md.global_scratch_size, md.num_ctas = 0, 2
+    with pytest.raises(R._Refuse, match="cluster"):
+        R._kernel_params(types.SimpleNamespace(src=src, metadata=md))
+
+
+def test_slots_find_pointers_inside_extents_only():
+    a, b = torch.empty(10, 4), torch.empty(3)
+    slots = R._Slots([a])
+    slots.add_allocs([b])
+    assert slots.find(a.data_ptr()) == (0, 0)
+    assert slots.find(a[2:].data_ptr()) == (0, 32)
+    assert slots.find(b.data_ptr() + 8) == (1, 8)
+    with pytest.raises(R._Refuse, match="neither an input"):
+        slots.find(b.data_ptr() + 12)
+
+
+def test_recorder_refuses_compute_and_accepts_allocations_and_views():
+    rec = R._Recorder()
+    with rec:
+        t = torch.empty(4, 4)
+        t.view(16)
+        t.t()
+    assert rec.failure is not None  # (CPU allocations are refused: replays allocate on CUDA)
+    rec = R._Recorder()
+    x = torch.ones(3)
+    with rec:
+        x.view(3, 1)
+    assert rec.failure is None
+    with rec:
+        x + 1
+    assert "add" in rec.failure
