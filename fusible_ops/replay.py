@@ -69,15 +69,29 @@ def extension():
 
 _ALLOC = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
           torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty_strided.default}
+_NOT_REPLAYED = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output, torch.Tag.nondeterministic_seeded)
+
+
+def _op_refusal(func) -> Optional[str]:
+    """Why an ATen op cannot be replayed with its recorded arguments, or None."""
+    if func.namespace != "aten":
+        return f"{func} is not an ATen op"
+    if any(t in func.tags for t in _NOT_REPLAYED):
+        return f"{func}: its output depends on data or on a random generator"
+    if any(str(r.type) != "Tensor" for r in func._schema.returns):
+        return f"{func} returns something other than tensors"
+    return None
 
 
 class _Recorder(TorchDispatchMode):
-    """Sees the ATen ops and the cached-binary launches of a recorded call (one phase at a time)."""
+    """Sees the ATen ops and the cached-binary launches of a recorded call (one phase at a time):
+    ``allocs`` (tensors, kept alive while recording so that no address is reused) and ``steps``
+    (``("launch", entry, grid, raw)`` and ``("op", func, args, kwargs, out)`` in order)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.allocs: list = []  # (kept alive while recording: no address is reused)
-        self.launches: list = []
+        self.allocs: list = []
+        self.steps: list = []
         self.failure: Optional[str] = None
         self.transient = False
 
@@ -88,16 +102,21 @@ class _Recorder(TorchDispatchMode):
             self.failure, self.transient = why, transient
 
     def launch(self, entry, grid, raw) -> None:
-        self.launches.append((entry, tuple(grid), list(raw)))
+        self.steps.append(("launch", entry, tuple(grid), list(raw)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func in _ALLOC:
             if out.device.type != "cuda":
                 self.fail(f"{func} on {out.device}")
             self.allocs.append(out)
         elif not getattr(func, "is_view", False):
-            self.fail(f"{func} ran")
+            why = _op_refusal(func)
+            if why is None:
+                self.steps.append(("op", func, args, kwargs, out))
+            else:
+                self.fail(why)
         return out
 
     def __enter__(self):
@@ -121,9 +140,9 @@ class _Refuse(Exception):
 RETRY = object()
 """What :func:`record` returns when the next call of the geometry should be recorded again."""
 
-
 _SCALARS = {"i1": "<b", "i8": "<b", "i16": "<h", "i32": "<i", "i64": "<q", "u1": "<B", "u8": "<B", "u16": "<H",
             "u32": "<I", "u64": "<Q", "fp32": "<f", "fp64": "<d"}
+_SIZES = {"<b": 1, "<B": 1, "<h": 2, "<H": 2, "<i": 4, "<I": 4, "<f": 4, "<q": 8, "<Q": 8, "<d": 8}
 
 
 def _index(key, names) -> int:
@@ -150,18 +169,18 @@ def _kernel_params(ck) -> list:
     return params
 
 
-_SIZES = {"<b": 1, "<B": 1, "<h": 2, "<H": 2, "<i": 4, "<I": 4, "<f": 4, "<q": 8, "<Q": 8, "<d": 8}
-
-
 class _Slots:
-    """Tensors a phase's launches may point into: ``[given..., allocations...]``, by address."""
+    """The tensors of one direction, as the replay numbers them: the given ones (inputs; in
+    backward the gradient, then forward tensors it reads), then allocations, then op outputs."""
 
-    def __init__(self, given: Sequence[torch.Tensor]) -> None:
-        self.tensors = list(given)
-        self.n_given = len(given)
+    def __init__(self, given: Sequence[torch.Tensor], allocs: Sequence[torch.Tensor]) -> None:
+        self.tensors = [*given, *allocs]
+        self.kind = ["given"] * len(given) + ["alloc"] * len(allocs)
 
-    def add_allocs(self, allocs) -> None:
-        self.tensors.extend(allocs)
+    def add(self, t: torch.Tensor, kind: str) -> int:
+        self.tensors.append(t)
+        self.kind.append(kind)
+        return len(self.tensors) - 1
 
     def find(self, ptr: int) -> tuple[int, int]:
         """(slot, byte offset) of a pointer into one of the tensors (inside its own extent)."""
@@ -169,7 +188,18 @@ class _Slots:
             off = ptr - t.data_ptr()
             if 0 <= off < max(_extent(t), 1):
                 return i, off
-        raise _Refuse(f"a launch points at memory that is neither an input nor an allocation of the call ({ptr:#x})")
+        raise _Refuse(f"the call reads memory that is neither an input nor made by the call ({ptr:#x})")
+
+    def numbering(self, used: set) -> dict:
+        """Slot -> replay slot: given ones in order, then the used allocations, then op outputs
+        (the replay makes every op output, used or not)."""
+        m, n = {}, 0
+        for kind in ("given", "alloc", "op"):
+            for i, k in enumerate(self.kind):
+                if k == kind and (kind != "alloc" or i in used):
+                    m[i] = n
+                    n += 1
+        return m
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -179,35 +209,112 @@ def _extent(t: torch.Tensor) -> int:
     return (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
-def _launches(recorded, slots: _Slots, param_info) -> list:
-    """The C++ form of recorded launches: (fn, grid, threads, shared, values, pointers)."""
+def _ref(t: torch.Tensor, slots: _Slots) -> list:
+    """``[slot, view, sizes, strides, element offset]`` of a tensor a step reads or the call hands
+    out: the slot itself or a view of it (in the slot's dtype)."""
+    if t.numel():
+        slot, off = slots.find(t.data_ptr())
+    else:
+        slot = next((i for i, s in enumerate(slots.tensors) if s is t), None)
+        if slot is None:
+            raise _Refuse("an empty tensor that the call did not make")
+        off = 0
+    base = slots.tensors[slot]
+    if t.dtype != base.dtype:
+        raise _Refuse("a view that reinterprets a tensor's dtype")
+    same = off == 0 and t.shape == base.shape and t.stride() == base.stride()
+    return [slot, not same, list(t.shape), list(t.stride()), off // t.element_size()]
+
+
+def _launch_step(entry, grid, raw, slots: _Slots, param_info) -> tuple:
+    """A recorded launch in the C++ form: (fn, grid, threads, shared, values, pointers)."""
+    ck = entry[4]
+    values, ptrs, sizes = [], [], []
+    for k, (i, ty) in enumerate(_kernel_params(ck)):
+        v = None if i is None else raw[i]
+        if ty.startswith("*"):
+            if v is not None and not isinstance(v, int):
+                raise _Refuse(f"pointer argument {i} is a {type(v).__name__}")
+            if v:  # (a None or 0 pointer stays 0)
+                ptrs.append([k, *slots.find(v)])
+            values.append(0)
+            sizes.append(8)
+        else:
+            fmt = _SCALARS.get(ty)
+            if fmt is None or not isinstance(v, (int, float, bool)):
+                raise _Refuse(f"argument {i} of type {ty}")
+            values.append(int.from_bytes(struct.pack(fmt, v).ljust(8, b"\0"), "little"))
+            sizes.append(_SIZES[fmt])
+    info = param_info(int(ck.function))
+    if info is None or [s for _, s in info] != sizes:
+        raise _Refuse(f"{ck.src.fn.__name__}: the driver reports parameters {info}, the recording {sizes}")
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    return (int(ck.function), g, 32 * ck.metadata.num_warps, int(ck.metadata.shared), values, ptrs)
+
+
+def _op_step(func, args, kwargs, out, slots: _Slots) -> tuple:
+    """A recorded ATen op in the C++ form: ("op", name, overload, values, tensors, new outputs);
+    its new outputs become slots."""
+    schema = func._schema
+    values, tensors = [], []
+    for i, a in enumerate(schema.arguments):
+        if not a.kwarg_only and i < len(args):
+            v = args[i]
+        elif a.name in kwargs:
+            v = kwargs[a.name]
+        elif a.has_default_value():
+            v = a.default_value
+        else:
+            raise _Refuse(f"{func}: no value for {a.name}")
+        if isinstance(v, torch.Tensor):
+            if not v.is_cuda:
+                raise _Refuse(f"{func} reads a tensor on {v.device}")
+            tensors.append([i, _ref(v, slots)])
+            v = None
+        elif isinstance(v, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in v):
+            raise _Refuse(f"{func} takes a list of tensors")
+        values.append(v)
+    outs = out if isinstance(out, (list, tuple)) else (out,)
+    given = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    new = []
+    for o in outs:
+        if not o.is_cuda:
+            raise _Refuse(f"{func} returns a tensor on {o.device}")
+        new.append(not any(o is g for g in given))  # (an in-place op returns its argument)
+        if new[-1]:
+            slots.add(o, "op")
+    return ("op", schema.name, schema.overload_name, values, tensors, new)
+
+
+def _steps(recorded, slots: _Slots, param_info) -> list:
     out = []
-    for entry, grid, raw in recorded:
-        ck = entry[4]
-        params = _kernel_params(ck)
-        values, ptrs, sizes = [], [], []
-        for k, (i, ty) in enumerate(params):
-            v = None if i is None else raw[i]
-            if ty.startswith("*"):
-                if v is not None and not isinstance(v, int):
-                    raise _Refuse(f"pointer argument {i} is a {type(v).__name__}")
-                if v:  # (a None or 0 pointer stays 0)
-                    ptrs.append((k, *slots.find(v)))
-                values.append(0)
-                sizes.append(8)
-            else:
-                fmt = _SCALARS.get(ty)
-                if fmt is None or not isinstance(v, (int, float, bool)):
-                    raise _Refuse(f"argument {i} of type {ty}")
-                b = struct.pack(fmt, v).ljust(8, b"\0")
-                values.append(int.from_bytes(b, "little"))
-                sizes.append(_SIZES[fmt])
-        info = param_info(int(ck.function))
-        if info is None or [s for _, s in info] != sizes:
-            raise _Refuse(f"{ck.src.fn.__name__}: the driver reports parameters {info}, the recording {sizes}")
-        g = tuple(grid) + (1,) * (3 - len(grid))
-        out.append((int(ck.function), g, 32 * ck.metadata.num_warps, int(ck.metadata.shared), values, ptrs))
+    for step in recorded:
+        if step[0] == "launch":
+            out.append(_launch_step(*step[1:], slots, param_info))
+        else:
+            out.append(_op_step(*step[1:], slots))
     return out
+
+
+def _renumber(steps, m: dict) -> list:
+    """``steps`` with every slot read through ``m``."""
+    out = []
+    for s in steps:
+        if s[0] == "op":
+            out.append(s[:4] + ([[i, [m[r[0]], *r[1:]]] for i, r in s[4]],) + s[5:])
+        else:
+            out.append(s[:5] + ([[k, m[slot], off] for k, slot, off in s[5]],))
+    return out
+
+
+def _used(steps) -> set:
+    got = set()
+    for s in steps:
+        if s[0] == "op":
+            got.update(r[0] for _, r in s[4])
+        else:
+            got.update(q[1] for q in s[5])
+    return got
 
 
 def _geometry(t: torch.Tensor, align: int) -> tuple:
@@ -221,25 +328,6 @@ class _Dtypes(dict):
 
 
 _DT = _Dtypes()
-
-
-def _result(t: Optional[torch.Tensor], slots: _Slots, remap) -> tuple:
-    """(slot, view, sizes, strides, element offset) of a tensor handed out, -1 slot for None."""
-    if t is None:
-        return (-1, False, [], [], 0)
-    slot, off = slots.find(t.data_ptr()) if t.numel() else _exact(t, slots)
-    base = slots.tensors[slot]
-    same = off == 0 and t.shape == base.shape and t.stride() == base.stride() and t.dtype == base.dtype
-    if not same and t.dtype != base.dtype:
-        raise _Refuse("a result reinterprets an allocation's dtype")
-    return (remap(slot), not same, list(t.shape), list(t.stride()), off // t.element_size())
-
-
-def _exact(t, slots):
-    for i, s in enumerate(slots.tensors):
-        if s is t:
-            return i, 0
-    raise _Refuse("an empty result that is not an allocation")
 
 
 def record(fuser, plan, inputs: list, n_extra: int):
@@ -266,29 +354,27 @@ def _build(ext, fuser, plan, inputs, n_extra, raw_apply, fn):
     if any(a[0] + a[1] > b[0] for a, b in zip(spans, spans[1:])):
         raise _Refuse("inputs share memory")
     leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
-    rec = _Recorder()
-    with rec:
+    with _Recorder() as rec:
         y = raw_apply(leaves[0], fuser, plan, n_extra, *leaves[1:])[0]
     if rec.failure:
         raise _Refuse(rec.failure, rec.transient)
-    fwd = _Slots(inputs)
-    fwd.add_allocs(rec.allocs)
-    fwd_launches = rec.launches
     if y.grad_fn is None:
         raise _Refuse("the forward made no autograd node")
     dy = torch.empty_like(y, memory_format=torch.contiguous_format)
-    rec2 = _Recorder()
-    with rec2:
+    with _Recorder() as rec2:
         grads = fn.backward(y.grad_fn, dy)
     if rec2.failure:
         raise _Refuse(rec2.failure, rec2.transient)
     input_grads = [grads[0], *grads[4:]]
     if len(input_grads) != len(inputs):
         raise _Refuse("the backward's gradients do not match the inputs")
-    # Backward slots: the gradient, the forward slots it reads (saved), its allocations.
-    bwd_given = [dy]
+    fwd = _Slots(inputs, rec.allocs)
+    fwd_steps = _steps(rec.steps, fwd, ext.param_info)
+    out = _ref(y, fwd)
+    if fwd.kind[out[0]] == "given":
+        raise _Refuse("the output is an input")
+    # Backward: the gradient, the forward tensors it reads (saved, found on first use), its own.
     saved: list = []
-    fwd_of = {}  # forward slot -> backward slot
 
     class _Bwd(_Slots):
         def find(self, ptr):
@@ -296,48 +382,27 @@ def _build(ext, fuser, plan, inputs, n_extra, raw_apply, fn):
                 return _Slots.find(self, ptr)
             except _Refuse:
                 s, off = fwd.find(ptr)
-                if s not in fwd_of:
-                    fwd_of[s] = len(self.tensors)
-                    saved.append(s)
-                    self.tensors.append(fwd.tensors[s])
-                return fwd_of[s], off
+                saved.append(s)
+                return self.add(fwd.tensors[s], "given"), off
 
-    bwd = _Bwd(bwd_given)
-    bwd.add_allocs(rec2.allocs)
-    n_bwd_allocs = len(rec2.allocs)
-    bwd_launches = _launches(rec2.launches, bwd, ext.param_info)
-    grad_results = [_result(g, bwd, lambda s: s) for g in input_grads]
-    fwd_launches = _launches(fwd_launches, fwd, ext.param_info)
-    out = _result(y, fwd, lambda s: s)
-    if out[0] < len(inputs):
-        raise _Refuse("the output is an input")
-    # Renumber: keep only referenced allocations; backward slots become [dy, saved..., allocs...].
-    f_used = sorted({q[1] for l in fwd_launches for q in l[5]} | {out[0]} | set(saved))
-    f_alloc = [s for s in f_used if s >= len(inputs)]
-    f_map = {s: s for s in range(len(inputs))}
-    f_map.update({s: len(inputs) + k for k, s in enumerate(f_alloc)})
-    b_alloc_slots = list(range(1, 1 + n_bwd_allocs))  # (in bwd.tensors: after dy, before the saved)
-    b_used = sorted({q[1] for l in bwd_launches for q in l[5]} | {g[0] for g in grad_results if g[0] >= 0})
-    b_alloc = [s for s in b_alloc_slots if s in b_used]
-    b_map = {0: 0}
-    b_map.update({fwd_of[s]: 1 + k for k, s in enumerate(saved)})
-    b_map.update({s: 1 + len(saved) + k for k, s in enumerate(b_alloc)})
-
-    def relaunch(launches, m):
-        return [(f, g, th, sh, vals, [(k, m[s], off) for k, s, off in ptrs]) for f, g, th, sh, vals, ptrs in launches]
-
-    def regrad(g):
-        return g if g[0] < 0 else (b_map[g[0]],) + g[1:]
-
-    used_inputs = {q[1] for l in fwd_launches for q in l[5]} | {s for s in saved if s < len(inputs)}
+    bwd = _Bwd([dy], rec2.allocs)
+    bwd_steps = _steps(rec2.steps, bwd, ext.param_info)
+    grad_refs = [None if g is None else _ref(g, bwd) for g in input_grads]
+    # Replay numbering (unused allocations dropped): forward [inputs, allocs, op outputs];
+    # backward [dy, saved..., allocs, op outputs].
+    f_map = fwd.numbering(_used(fwd_steps) | {out[0]} | set(saved))
+    b_map = bwd.numbering(_used(bwd_steps) | {g[0] for g in grad_refs if g is not None})
+    used_inputs = {q[1] for s in fwd_steps if s[0] != "op" for q in s[5]}
+    used_inputs |= {s for s in saved if s < len(inputs)}  # (backward launches point into them too)
     in_geo = [_geometry(t, t.data_ptr() % 16 if i in used_inputs else -1) for i, t in enumerate(inputs)]
-    out_res = (f_map[out[0]],) + out[1:]
-    if out_res[1] and out[0] in saved:
+    if out[1] and out[0] in saved:
         raise _Refuse("the backward reads an output that is a view")
+    f_allocs = [_geometry(t, 0) for i, t in enumerate(fwd.tensors) if fwd.kind[i] == "alloc" and i in f_map]
+    b_allocs = [_geometry(t, 0) for i, t in enumerate(bwd.tensors) if bwd.kind[i] == "alloc" and i in b_map]
     return ext.make_recipe(
-        y.device.index, in_geo, [_geometry(fwd.tensors[s], 0) for s in f_alloc], relaunch(fwd_launches, f_map),
-        [out_res], [f_map[s] for s in saved], [_geometry(dy, 0)],
-        [_geometry(bwd.tensors[s], 0) for s in b_alloc], relaunch(bwd_launches, b_map), [regrad(g) for g in grad_results])
+        y.device.index, in_geo, f_allocs, _renumber(fwd_steps, f_map), [[f_map[out[0]], *out[1:]]],
+        [f_map[s] for s in saved], [_geometry(dy, 0)], b_allocs, _renumber(bwd_steps, b_map),
+        [(-1, False, [], [], 0) if g is None else [b_map[g[0]], *g[1:]] for g in grad_refs])
 
 
 _MAX_TRIES = 3  # recordings per geometry that compile or autotune before it stays Python-only

@@ -3,8 +3,10 @@
 // Python on the per-call path (see fusible_ops/replay.py, which records and builds the recipes).
 //
 // What must hold (the recorder checks it before building a recipe):
-// * every launch of the recorded call went through a cached binary (no compile, no autotune), and
-//   the only other work was allocation and views (no compute op, no host read);
+// * every launch of the recorded call went through a cached binary (no compile, no autotune); its
+//   other work was allocations, views and ATen ops whose output shapes and values do not depend on
+//   tensor data read on the host or on a random generator (replayed through the dispatcher, below
+//   autograd);
 // * a recipe's integers, floats and grids are functions of the inputs' sizes, strides, dtypes and
 //   device, which run() checks against the recording (it declines, returning an empty list, on any
 //   difference), and of the 16-byte alignment class of every input pointer (checked too);
@@ -12,6 +14,8 @@
 //   launch (each binary's parameters are checked with cuFuncGetParamInfo where the driver has it).
 
 #include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -76,18 +80,33 @@ struct Launch {
   std::vector<std::array<int64_t, 3>> ptrs;   // (parameter index, slot, byte offset)
 };
 
-// One direction's work: slots [given..., allocations...], then the launches in order.
-struct Program {
-  std::vector<Geometry> allocs;
-  std::vector<Launch> launches;
-};
-
-// A tensor handed out (an output or a gradient): a slot, or a view of one.
+// A tensor handed out (an output or a gradient) or passed to an ATen op: a slot, or a view of one.
 struct Result {
   int64_t slot;  // -1: none (an undefined gradient)
   bool view;
   std::vector<int64_t> sizes, strides;
   int64_t offset;  // elements
+};
+
+// One ATen op: its arguments as recorded, with the tensors taken from slots per call.
+struct OpCall {
+  std::optional<c10::OperatorHandle> handle;
+  std::vector<c10::IValue> args;                       // (tensor positions hold None)
+  std::vector<std::pair<size_t, Result>> tensors;      // (argument position, slot or view)
+  std::vector<bool> new_outputs;                       // per return: a new slot (else an alias of one)
+};
+
+// One step: a launch, or an ATen op.
+struct Step {
+  bool is_op;
+  Launch launch;
+  OpCall op;
+};
+
+// One direction's work: slots [given..., allocations..., op outputs...], then the steps in order.
+struct Program {
+  std::vector<Geometry> allocs;
+  std::vector<Step> steps;
 };
 
 struct Recipe {
@@ -106,12 +125,29 @@ at::Tensor hand_out(const std::vector<at::Tensor>& slots, const Result& r) {
   return r.view ? t.as_strided(r.sizes, r.strides, t.storage_offset() + r.offset) : t;
 }
 
+void run_op(const OpCall& op, std::vector<at::Tensor>& slots) {
+  torch::jit::Stack stack(op.args);
+  for (const auto& [pos, r] : op.tensors) stack[pos] = hand_out(slots, r);
+  {
+    at::AutoDispatchBelowADInplaceOrView below;  // (as inside an autograd function: no history)
+    op.handle->callBoxed(&stack);
+  }
+  TORCH_CHECK(stack.size() == op.new_outputs.size(), "fusible_ops replay: an op returned ", stack.size(), " values");
+  for (size_t j = 0; j < stack.size(); ++j)
+    if (op.new_outputs[j]) slots.push_back(stack[j].toTensor());
+}
+
 void run_program(const Program& p, std::vector<at::Tensor>& slots, const at::TensorOptions& opts, void* stream) {
   for (const auto& g : p.allocs) slots.push_back(at::empty_strided(g.sizes, g.strides, opts.dtype(g.dtype)));
   LaunchFn launch = cu_launch();
   uint64_t values[64];
   void* params[64];
-  for (const auto& l : p.launches) {
+  for (const auto& s : p.steps) {
+    if (s.is_op) {
+      run_op(s.op, slots);
+      continue;
+    }
+    const Launch& l = s.launch;
     size_t n = l.values.size();
     std::memcpy(values, l.values.data(), n * sizeof(uint64_t));
     for (const auto& q : l.ptrs)
@@ -230,7 +266,7 @@ at::ScalarType dtype_of(const py::handle& h) { return h.cast<at::Tensor>().scala
 std::vector<int64_t> ints(const py::handle& h) { return h.cast<std::vector<int64_t>>(); }
 
 Geometry geometry(const py::handle& h) {  // (sizes, strides, dtype example tensor, align)
-  auto t = h.cast<py::tuple>();
+  auto t = h.cast<py::sequence>();
   return Geometry{ints(t[0]), ints(t[1]), dtype_of(t[2]), t[3].cast<int64_t>()};
 }
 
@@ -240,12 +276,49 @@ std::vector<Geometry> geometries(const py::list& l) {
   return out;
 }
 
-Program program(const py::list& allocs, const py::list& launches) {
+Result result(const py::handle& h) {  // (slot, view, sizes, strides, offset)
+  auto t = h.cast<py::sequence>();
+  return Result{t[0].cast<int64_t>(), t[1].cast<bool>(), ints(t[2]), ints(t[3]), t[4].cast<int64_t>()};
+}
+
+OpCall op_call(const py::sequence& t) {  // ("op", name, overload, values, tensors, new_outputs)
+  OpCall op;
+  auto name = t[1].cast<std::string>();
+  auto overload = t[2].cast<std::string>();
+  op.handle = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+  const auto& schema = op.handle->schema();
+  auto values = t[3].cast<py::list>();
+  TORCH_CHECK(values.size() == schema.arguments().size(), "fusible_ops replay: ", name, " takes ",
+              schema.arguments().size(), " arguments");
+  std::vector<bool> is_tensor(values.size(), false);
+  for (auto h : t[4].cast<py::list>()) {
+    auto e = h.cast<py::sequence>();
+    size_t pos = e[0].cast<size_t>();
+    TORCH_CHECK(pos < values.size(), "bad tensor position");
+    is_tensor[pos] = true;
+    op.tensors.emplace_back(pos, result(e[1]));
+  }
+  for (size_t i = 0; i < values.size(); ++i)
+    op.args.push_back(is_tensor[i] ? c10::IValue() : torch::jit::toIValue(values[i], schema.arguments()[i].type()));
+  op.new_outputs = t[5].cast<std::vector<bool>>();
+  TORCH_CHECK(op.new_outputs.size() == schema.returns().size(), "fusible_ops replay: ", name, " returns ",
+              schema.returns().size(), " values");
+  return op;
+}
+
+Program program(const py::list& allocs, const py::list& steps) {
   Program p;
   p.allocs = geometries(allocs);
-  for (auto h : launches) {  // (fn, (gx, gy, gz), threads, shared, values, ptrs)
-    auto t = h.cast<py::tuple>();
-    Launch l;
+  for (auto h : steps) {  // ("op", ...) or (fn, (gx, gy, gz), threads, shared, values, ptrs)
+    auto t = h.cast<py::sequence>();
+    Step s{false, {}, {}};
+    if (py::isinstance<py::str>(t[0])) {
+      s.is_op = true;
+      s.op = op_call(t);
+      p.steps.push_back(std::move(s));
+      continue;
+    }
+    Launch& l = s.launch;
     l.fn = reinterpret_cast<void*>(t[0].cast<uint64_t>());
     auto grid = ints(t[1]);
     TORCH_CHECK(grid.size() == 3, "grid needs 3 entries");
@@ -259,24 +332,34 @@ Program program(const py::list& allocs, const py::list& launches) {
       TORCH_CHECK(v.size() == 3 && v[0] >= 0 && v[0] < static_cast<int64_t>(l.values.size()), "bad pointer entry");
       l.ptrs.push_back({v[0], v[1], v[2]});
     }
-    p.launches.push_back(std::move(l));
+    p.steps.push_back(std::move(s));
   }
   return p;
 }
 
-std::vector<Result> results(const py::list& l) {  // (slot, view, sizes, strides, offset)
+std::vector<Result> results(const py::list& l) {
   std::vector<Result> out;
-  for (auto h : l) {
-    auto t = h.cast<py::tuple>();
-    out.push_back(Result{t[0].cast<int64_t>(), t[1].cast<bool>(), ints(t[2]), ints(t[3]), t[4].cast<int64_t>()});
-  }
+  for (auto h : l) out.push_back(result(h));
   return out;
 }
 
-void check_slots(const Program& p, size_t given, const std::vector<Result>& res, const char* what) {
+// Every slot a step reads exists when it runs (op outputs become slots as the ops run).
+int64_t check_slots(const Program& p, size_t given, const char* what) {
   int64_t n = static_cast<int64_t>(given + p.allocs.size());
-  for (const auto& l : p.launches)
-    for (const auto& q : l.ptrs) TORCH_CHECK(q[1] >= 0 && q[1] < n, "fusible_ops replay: ", what, " slot out of range");
+  for (const auto& s : p.steps) {
+    if (!s.is_op) {
+      for (const auto& q : s.launch.ptrs)
+        TORCH_CHECK(q[1] >= 0 && q[1] < n, "fusible_ops replay: ", what, " slot out of range");
+      continue;
+    }
+    for (const auto& e : s.op.tensors)
+      TORCH_CHECK(e.second.slot >= 0 && e.second.slot < n, "fusible_ops replay: ", what, " op slot out of range");
+    for (bool b : s.op.new_outputs) n += b;
+  }
+  return n;
+}
+
+void check_results(const std::vector<Result>& res, int64_t n, const char* what) {
   for (const auto& r : res) TORCH_CHECK(r.slot < n, "fusible_ops replay: ", what, " result slot out of range");
 }
 
@@ -296,10 +379,10 @@ std::shared_ptr<const Recipe> make_recipe(int64_t device, const py::list& inputs
   r->input_grads = results(input_grads);
   TORCH_CHECK(!r->outputs.empty() && r->outputs.size() == r->grads.size(), "one recorded gradient per output");
   TORCH_CHECK(r->input_grads.size() == r->inputs.size(), "one gradient entry per input");
-  check_slots(r->fwd, r->inputs.size(), r->outputs, "forward");
-  for (int64_t s : r->saved)
-    TORCH_CHECK(s >= 0 && s < static_cast<int64_t>(r->inputs.size() + r->fwd.allocs.size()), "saved slot out of range");
-  check_slots(r->bwd, r->grads.size() + r->saved.size(), r->input_grads, "backward");
+  int64_t n_fwd = check_slots(r->fwd, r->inputs.size(), "forward");
+  check_results(r->outputs, n_fwd, "forward");
+  for (int64_t s : r->saved) TORCH_CHECK(s >= 0 && s < n_fwd, "saved slot out of range");
+  check_results(r->input_grads, check_slots(r->bwd, r->grads.size() + r->saved.size(), "backward"), "backward");
   return r;
 }
 
