@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import warnings
 from typing import Optional, Sequence
 
@@ -94,15 +95,17 @@ class _Recorder(TorchDispatchMode):
         self.steps: list = []
         self.failure: Optional[str] = None
         self.transient = False
+        self.thread = threading.get_ident()  # (launches of other threads are not this call's)
 
     def fail(self, why: str, transient: bool = False) -> None:
         """Refuse the recording; ``transient``: a later call may succeed (a kernel compiled or
         autotuned during this one)."""
-        if self.failure is None:
+        if self.failure is None and threading.get_ident() == self.thread:
             self.failure, self.transient = why, transient
 
     def launch(self, entry, grid, raw) -> None:
-        self.steps.append(("launch", entry, tuple(grid), list(raw)))
+        if threading.get_ident() == self.thread:
+            self.steps.append(("launch", entry, tuple(grid), list(raw)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
