@@ -30,6 +30,8 @@ def _cases(dt=torch.bfloat16):
     yield "layernorm_wide", lambda: fo.Sequential(fo.LayerNorm(8200, **kw)), [(5, 8200)]
     yield "swiglu", lambda: fo.Sequential(fo.SwiGLU()), [(4, 65, 512)]
     yield "gelu", lambda: fo.Sequential(fo.GELU()), [(257, 768)]
+    yield "bias_gelu", lambda: fo.Sequential(fo.Bias(768, **kw), fo.GELU()), [(257, 768)]
+    yield "bias", lambda: fo.Sequential(fo.Bias(768, **kw)), [(3, 50, 768)]
 
 
 def _run(seq, xs, dy, n=3):

@@ -63,6 +63,10 @@ class ForwardLinearBiasActivation(FusedOperation):
         self.roles = _split(ops)
         self._no_extras = [()] * len(ops)
 
+    @property
+    def replayable(self) -> bool:  # (see FusibleOperation.replayable; a linear's weight has the contract)
+        return self.roles["linear"][0] is None and self.roles["dropout"][0] is None
+
     def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
         r = self.roles
         (lin, li), (bias, bi), (act, ai), (drop, di) = r["linear"], r["bias"], r["act"], r["dropout"]
@@ -136,6 +140,10 @@ class BackwardBiasActivation(FusedOperation):
         super().__init__(ops)
         self.roles = _split(ops)
         self._no_extras = [()] * len(ops)
+
+    @property
+    def replayable(self) -> bool:  # (see FusibleOperation.replayable)
+        return self.roles["dropout"][0] is None
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
         (bias, bi), (act, ai), (drop, di) = self.roles["bias"], self.roles["act"], self.roles["dropout"]

@@ -133,6 +133,7 @@ class Bias(BasicOperation):
     autograd; a frozen bias costs no reduction."""
 
     cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
+    replayable = True  # (see FusibleOperation.replayable: an add and a column sum, both ATen ops)
 
     def __init__(self, size: int, *, device=None, dtype=None) -> None:
         super().__init__()
