@@ -31,7 +31,8 @@ from .fuser_params import grad_quantizer as _grad_quantizer
 from .fuser_params import input_quantizer as _input_quantizer
 from .fuser_params import reader as _reader
 from .fuser_routing import RoutedSteps, routing_layout
-from .grad import check_flagged_ops, contract_weights, gate_weights, scheduler_active, watch_plain_weights
+from .grad import (WeightGradMixin, check_flagged_ops, contract_weights, gate_weights, scheduler_active,
+                   watch_plain_weights)
 from .kernels import current_mode, set_mode
 from .op import STATE_EPOCH as _STATE_EPOCH
 from .op import BasicOperation, OperationContext
@@ -339,6 +340,10 @@ class OperationFuser:
                 and base["recipe"] is None and not self._wgrad_flagged and not self._parametrized
                 and self.num_extra_outputs == 0 and all(g.op.replayable for g in fwd + bwd)):
             plan.replay = Replayer(self, plan, len(extra_inputs))
+            if any(isinstance(op, WeightGradMixin) for op in ops):
+                # A replay returns contract weights' gradients to autograd (plain mode): under a
+                # delayed_wgrad() entered around the backward, its hooks deliver them.
+                watch_plain_weights(self)
         return plan
 
     def _split_extra(self, extra_inputs: Sequence) -> list[tuple]:

@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .grad import scheduler_active
 from .kernels import current_mode
 from .kernels import launch as _launch
 
@@ -156,17 +157,21 @@ def _index(key, names) -> int:
 
 def _kernel_params(ck) -> list:
     """``[(argument index or None, type)]``: the compiled kernel's parameters as its launcher passes
-    them (the runtime arguments that are not constexpr, then Triton's scratch pointers)."""
+    them (the runtime arguments that are not constexpr, then Triton's scratch pointers: type
+    ``*gscratch`` for global scratch the kernel uses, ``*scratch`` for an unused one)."""
     src, md = ck.src, ck.metadata
     names = list(src.fn.arg_names)
     sig = {_index(k, names): v for k, v in src.signature.items()}
     consts = {_index(k, names) for k in getattr(src, "constants", {})}
     params = [(i, sig[i]) for i in sorted(sig) if sig[i] != "constexpr" and i not in consts]
-    for attr in ("global_scratch_size", "profile_scratch_size"):
-        if hasattr(md, attr):
-            if getattr(md, attr):
-                raise _Refuse(f"{src.fn.__name__} needs {attr}")
-            params.append((None, "*scratch"))
+    if hasattr(md, "global_scratch_size"):
+        if md.global_scratch_size and getattr(md, "global_scratch_align", 1) > 256:
+            raise _Refuse(f"{src.fn.__name__}: global scratch aligned to {md.global_scratch_align} bytes")
+        params.append((None, "*gscratch" if md.global_scratch_size else "*scratch"))
+    if hasattr(md, "profile_scratch_size"):
+        if md.profile_scratch_size:
+            raise _Refuse(f"{src.fn.__name__} needs profile scratch")
+        params.append((None, "*scratch"))
     if getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl", False):
         raise _Refuse(f"{src.fn.__name__}: cluster, cooperative or PDL launch")
     return params
@@ -233,9 +238,15 @@ def _launch_step(entry, grid, raw, slots: _Slots, param_info) -> tuple:
     """A recorded launch in the C++ form: (fn, grid, threads, shared, values, pointers)."""
     ck = entry[4]
     values, ptrs, sizes = [], [], []
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    scratch = None
     for k, (i, ty) in enumerate(_kernel_params(ck)):
         v = None if i is None else raw[i]
-        if ty.startswith("*"):
+        if ty == "*gscratch":  # (a fresh buffer per launch, sized as Triton sizes it)
+            scratch = [k, g[0] * g[1] * g[2] * ck.metadata.num_ctas * ck.metadata.global_scratch_size]
+            values.append(0)
+            sizes.append(8)
+        elif ty.startswith("*"):
             if v is not None and not isinstance(v, int):
                 raise _Refuse(f"pointer argument {i} is a {type(v).__name__}")
             if v:  # (a None or 0 pointer stays 0)
@@ -251,8 +262,8 @@ def _launch_step(entry, grid, raw, slots: _Slots, param_info) -> tuple:
     info = param_info(int(ck.function))
     if info is None or [s for _, s in info] != sizes:
         raise _Refuse(f"{ck.src.fn.__name__}: the driver reports parameters {info}, the recording {sizes}")
-    g = tuple(grid) + (1,) * (3 - len(grid))
-    return (int(ck.function), g, 32 * ck.metadata.num_warps, int(ck.metadata.shared), values, ptrs)
+    step = (int(ck.function), g, 32 * ck.metadata.num_warps, int(ck.metadata.shared), values, ptrs)
+    return step if scratch is None else step + (scratch,)
 
 
 def _op_step(func, args, kwargs, out, slots: _Slots) -> tuple:
@@ -306,7 +317,7 @@ def _renumber(steps, m: dict) -> list:
         if s[0] == "op":
             out.append(s[:4] + ([[i, [m[r[0]], *r[1:]]] for i, r in s[4]],) + s[5:])
         else:
-            out.append(s[:5] + ([[k, m[slot], off] for k, slot, off in s[5]],))
+            out.append(s[:5] + ([[k, m[slot], off] for k, slot, off in s[5]],) + s[6:])
     return out
 
 
@@ -347,13 +358,23 @@ def record(fuser, plan, inputs: list, n_extra: int):
     except _Refuse as e:
         record.last_failure = str(e)
         return RETRY if e.transient else None
+    except Exception as e:  # (e.g. an earlier kernel's device-side assert): the Python path meets it too
+        record.last_failure = f"{type(e).__name__}: {e}"
+        return RETRY
 
 
 record.last_failure = None
 
 
 def _build(ext, fuser, plan, inputs, n_extra, raw_apply, fn):
-    spans = sorted((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in inputs)
+    aliases, distinct = [], []  # (one tensor passed twice, e.g. split sizes for two grouped linears)
+    for j, t in enumerate(inputs):
+        i = next((i for i in distinct if inputs[i] is t), None)
+        if i is None:
+            distinct.append(j)
+        else:
+            aliases.append((j, i))
+    spans = sorted((inputs[i].untyped_storage().data_ptr(), inputs[i].untyped_storage().nbytes()) for i in distinct)
     if any(a[0] + a[1] > b[0] for a, b in zip(spans, spans[1:])):
         raise _Refuse("inputs share memory")
     leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
@@ -405,7 +426,7 @@ def _build(ext, fuser, plan, inputs, n_extra, raw_apply, fn):
     return ext.make_recipe(
         y.device.index, in_geo, f_allocs, _renumber(fwd_steps, f_map), [[f_map[out[0]], *out[1:]]],
         [f_map[s] for s in saved], [_geometry(dy, 0)], b_allocs, _renumber(bwd_steps, b_map),
-        [(-1, False, [], [], 0) if g is None else [b_map[g[0]], *g[1:]] for g in grad_refs])
+        [(-1, False, [], [], 0) if g is None else [b_map[g[0]], *g[1:]] for g in grad_refs], aliases)
 
 
 _MAX_TRIES = 3  # recordings per geometry that compile or autotune before it stays Python-only
@@ -422,6 +443,8 @@ class Replayer:
         self.replayed = 0  # calls served (tests read it)
 
     def run(self, x: torch.Tensor, extra: tuple, params: list) -> Optional[torch.Tensor]:
+        if scheduler_active():  # (inside delayed_wgrad() at forward: the contract's Python path)
+            return None
         mode = current_mode()
         r = self.recipes.get(mode)  # (the recipe of the last call in this mode)
         inputs = [x, *extra, *params] if extra else [x, *params]

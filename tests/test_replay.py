@@ -147,6 +147,69 @@ def test_replay_frozen_weight_and_partial_grads():
     _same(g, g2)
 
 
+def _grouped(bias=False):
+    kw = dict(device=DEV, dtype=torch.bfloat16)
+    seq = fo.Sequential(fo.GroupedLinear(4, 64, 256, bias=bias, **kw), fo.SwiGLU(),
+                        fo.GroupedLinear(4, 128, 64, bias=bias, **kw))
+    with torch.no_grad():
+        for p in seq.parameters():
+            p.normal_(0, 0.05)
+    return seq
+
+
+@gpu
+@pytest.mark.parametrize("bias", [False, True])
+def test_replay_grouped_mlp_matches_python_path(bias):
+    seq = _grouped(bias)
+    twin = copy.deepcopy(seq)
+    splits = torch.tensor([5, 0, 7, 4], device=DEV)
+    x = torch.randn(16, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(16, 64, device=DEV, dtype=torch.bfloat16)
+    got = _run(seq, [x, splits, splits], dy)
+    x2 = x.detach().clone().requires_grad_()
+    want = _no_replay(lambda: _run(twin, [x2, splits, splits], dy))
+    assert _plan(seq).replay.replayed >= 1, R.record.last_failure
+    assert got[0].grad_fn.name() == "FusibleReplayBackward"
+    _same(got[0], want[0])
+    for a, b in zip(got[1][:1] + got[2], want[1][:1] + want[2]):
+        _same(a, b)
+    # other split sizes, same total rows: the same recipe (they are read on the device)
+    s2 = torch.tensor([0, 9, 3, 4], device=DEV)
+    y = seq(x, s2, s2)
+    y2 = _no_replay(lambda: twin(x, s2, s2))
+    assert y.grad_fn.name() == "FusibleReplayBackward"
+    _same(y, y2)
+    # one split tensor per linear where the recording had one for both: declined, Python path
+    n = _plan(seq).replay.replayed
+    y = seq(x, s2, s2.clone())
+    assert _plan(seq).replay.replayed == n
+    _same(y, y2)
+
+
+@gpu
+def test_replay_weight_grads_follow_delayed_wgrad_around_backward():
+    seq = _grouped()
+    twin = copy.deepcopy(seq)
+    splits = torch.tensor([5, 0, 7, 4], device=DEV)
+    x = torch.randn(16, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(16, 64, device=DEV, dtype=torch.bfloat16)
+    _run(seq, [x, splits, splits], dy)
+    for m in (seq, twin):
+        m.zero_grad(set_to_none=True)
+    y = seq(x, splits, splits)
+    assert y.grad_fn.name() == "FusibleReplayBackward"
+    with fo.delayed_wgrad():
+        y.backward(dy)
+    assert all(p.grad is None for p in seq.parameters())  # (queued, not accumulated)
+    fo.flush_wgrad()
+    y2 = _no_replay(lambda: twin(x, splits, splits))
+    with fo.delayed_wgrad():
+        y2.backward(dy)
+    fo.flush_wgrad()
+    for a, b in zip(seq.parameters(), twin.parameters()):
+        _same(a.grad, b.grad)
+
+
 @gpu
 def test_replay_backward_twice_and_retain_graph():
     _, make, shapes = next(c for c in _cases() if c[0] == "rmsnorm")
@@ -224,10 +287,12 @@ def test_kernel_params_follow_triton_launcher():
     md = types.SimpleNamespace(global_scratch_size=0, profile_scratch_size=0, num_ctas=1, num_warps=4, shared=0)
     params = R._kernel_params(types.SimpleNamespace(src=src, metadata=md))
     assert params == [(0, "*bf16"), (1, "*fp32"), (2, "i32"), (4, "fp32"), (None, "*scratch"), (None, "*scratch")]
-    md.global_scratch_size = 64
-    with pytest.raises(R._Refuse, match="global_scratch"):
+    md.global_scratch_size = 64  # (used: the replay gives each launch a fresh buffer)
+    assert R._kernel_params(types.SimpleNamespace(src=src, metadata=md))[4] == (None, "*gscratch")
+    md.profile_scratch_size = 64
+    with pytest.raises(R._Refuse, match="profile scratch"):
         R._kernel_params(types.SimpleNamespace(src=src, metadata=md))
-    md.global_scratch_size, md.num_ctas = 0, 2
+    md.global_scratch_size, md.profile_scratch_size, md.num_ctas = 0, 0, 2
     with pytest.raises(R._Refuse, match="cluster"):
         R._kernel_params(types.SimpleNamespace(src=src, metadata=md))
 

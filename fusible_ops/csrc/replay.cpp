@@ -10,8 +10,9 @@
 // * a recipe's integers, floats and grids are functions of the inputs' sizes, strides, dtypes and
 //   device, which run() checks against the recording (it declines, returning an empty list, on any
 //   difference), and of the 16-byte alignment class of every input pointer (checked too);
-// * launches need no global or profile scratch memory, one CTA per program, no cooperative / PDL
-//   launch (each binary's parameters are checked with cuFuncGetParamInfo where the driver has it).
+// * launches need no profile scratch memory (global scratch, e.g. TMA descriptors made on the
+//   device, gets a fresh buffer per launch), one CTA per program, no cooperative / PDL launch (each
+//   binary's parameters are checked with cuFuncGetParamInfo where the driver has it).
 
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -52,6 +53,19 @@ void* libcuda() {
   return lib;
 }
 
+using ErrorStringFn = int (*)(int, const char**);
+
+// A failed launch: an error the context already holds from earlier work (a device-side assert, an
+// illegal address: codes 700-719) is left to surface at the next synchronization, as CUDA reports
+// asynchronous errors and as the Python path's launches leave it; any other error raises now.
+void check_launch(int err) {
+  if (err == 0 || (err >= 700 && err <= 719)) return;
+  static ErrorStringFn str = reinterpret_cast<ErrorStringFn>(dlsym(libcuda(), "cuGetErrorString"));
+  const char* msg = nullptr;
+  if (str != nullptr) str(err, &msg);
+  TORCH_CHECK(false, "fusible_ops replay: cuLaunchKernel failed with CUDA error ", err, " (", msg ? msg : "?", ")");
+}
+
 LaunchFn cu_launch() {
   static LaunchFn fn = reinterpret_cast<LaunchFn>(dlsym(libcuda(), "cuLaunchKernel"));
   TORCH_CHECK(fn != nullptr, "fusible_ops replay: libcuda has no cuLaunchKernel");
@@ -78,6 +92,8 @@ struct Launch {
   unsigned threads, shared;
   std::vector<uint64_t> values;               // per kernel parameter (scalars set, pointers 0)
   std::vector<std::array<int64_t, 3>> ptrs;   // (parameter index, slot, byte offset)
+  int64_t scratch_param = -1;                 // global scratch: its parameter, and bytes per launch
+  int64_t scratch_bytes = 0;
 };
 
 // A tensor handed out (an output or a gradient) or passed to an ATen op: a slot, or a view of one.
@@ -112,6 +128,7 @@ struct Program {
 struct Recipe {
   int64_t device;
   std::vector<Geometry> inputs;   // forward slots [0, n_inputs)
+  std::vector<std::pair<int64_t, int64_t>> aliases;  // (j, i): input j was input i when recorded
   Program fwd;
   std::vector<Result> outputs;    // forward slots
   std::vector<int64_t> saved;     // forward slots the backward reads (its slots after the grads)
@@ -152,9 +169,13 @@ void run_program(const Program& p, std::vector<at::Tensor>& slots, const at::Ten
     std::memcpy(values, l.values.data(), n * sizeof(uint64_t));
     for (const auto& q : l.ptrs)
       values[q[0]] = reinterpret_cast<uint64_t>(slots[q[1]].data_ptr()) + static_cast<uint64_t>(q[2]);
+    at::Tensor scratch;  // (back to the caching allocator after the launch: stream-ordered reuse)
+    if (l.scratch_param >= 0) {
+      scratch = at::empty({l.scratch_bytes}, opts.dtype(at::kByte));
+      values[l.scratch_param] = reinterpret_cast<uint64_t>(scratch.data_ptr());
+    }
     for (size_t i = 0; i < n; ++i) params[i] = &values[i];
-    int err = launch(l.fn, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.shared, stream, params, nullptr);
-    TORCH_CHECK(err == 0, "fusible_ops replay: cuLaunchKernel failed with CUDA error ", err);
+    check_launch(launch(l.fn, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.shared, stream, params, nullptr));
   }
 }
 
@@ -229,6 +250,8 @@ std::vector<at::Tensor> run(const std::shared_ptr<const Recipe>& rp, const std::
     if (!t.is_cuda() || t.layout() != at::kStrided || t.key_set().has(c10::DispatchKey::Python)) return {};
     if (t.get_device() != r.device || !r.inputs[i].matches(t)) return {};
   }
+  for (const auto& [j, i] : r.aliases)  // (the recording read both through input i's pointer)
+    if (inputs[j].data_ptr() != inputs[i].data_ptr()) return {};
 #ifndef FO_NO_CUDA
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(r.device));
 #endif
@@ -327,6 +350,13 @@ Program program(const py::list& allocs, const py::list& steps) {
     l.shared = t[3].cast<unsigned>();
     l.values = t[4].cast<std::vector<uint64_t>>();
     TORCH_CHECK(l.values.size() <= 64, "fusible_ops replay: more than 64 kernel parameters");
+    if (t.size() > 6) {
+      auto sc = ints(t[6]);  // (parameter index, bytes)
+      TORCH_CHECK(sc.size() == 2 && sc[0] >= 0 && sc[0] < static_cast<int64_t>(l.values.size()) && sc[1] > 0,
+                  "bad scratch entry");
+      l.scratch_param = sc[0];
+      l.scratch_bytes = sc[1];
+    }
     for (auto q : t[5].cast<py::list>()) {
       auto v = ints(q);
       TORCH_CHECK(v.size() == 3 && v[0] >= 0 && v[0] < static_cast<int64_t>(l.values.size()), "bad pointer entry");
@@ -367,9 +397,14 @@ std::shared_ptr<const Recipe> make_recipe(int64_t device, const py::list& inputs
                                           const py::list& fwd_launches, const py::list& outputs,
                                           const std::vector<int64_t>& saved, const py::list& grads,
                                           const py::list& bwd_allocs, const py::list& bwd_launches,
-                                          const py::list& input_grads) {
+                                          const py::list& input_grads, const py::list& aliases) {
   auto r = std::make_shared<Recipe>();
   r->device = device;
+  for (auto h : aliases) {
+    auto v = ints(h);
+    TORCH_CHECK(v.size() == 2 && v[1] < v[0] && v[0] < static_cast<int64_t>(inputs.size()), "bad alias entry");
+    r->aliases.emplace_back(v[0], v[1]);
+  }
   r->inputs = geometries(inputs);
   r->fwd = program(fwd_allocs, fwd_launches);
   r->outputs = results(outputs);
@@ -406,9 +441,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Recipe, std::shared_ptr<Recipe>>(m, "Recipe");
   m.def("make_recipe", [](int64_t device, py::list inputs, py::list fwd_allocs, py::list fwd_launches,
                           py::list outputs, std::vector<int64_t> saved, py::list grads, py::list bwd_allocs,
-                          py::list bwd_launches, py::list input_grads) {
+                          py::list bwd_launches, py::list input_grads, py::list aliases) {
     return std::const_pointer_cast<Recipe>(make_recipe(device, inputs, fwd_allocs, fwd_launches, outputs, saved, grads,
-                                                       bwd_allocs, bwd_launches, input_grads));
+                                                       bwd_allocs, bwd_launches, input_grads, aliases));
   });
   m.def("run", [](const std::shared_ptr<Recipe>& r, const std::vector<at::Tensor>& inputs) { return run(r, inputs); });
   m.def("param_info", &param_info);

@@ -42,6 +42,8 @@ class FusedGroupedMLP(FusedOperation):
     """Forward and backward of ``GroupedLinear -> GLU -> GroupedLinear`` (in FP8 under a
     per-tensor autocast recipe: :mod:`fusible_ops.fusion_rules.fp8_grouped_mlp`)."""
 
+    replayable = True  # (see FusibleOperation.replayable; FP8 plans are never replayed)
+
     def fuser_forward(self, ctxs, x, *, extra_inputs, gather=None, **kwargs):
         """``gather`` (from :class:`~fusible_ops.fusion_rules.moe_mlp.DispatchGroupedMLP`): [M]
         int64, row r of FC1's input is ``x[gather[r]]`` (x: the tokens), read inside FC1's forward

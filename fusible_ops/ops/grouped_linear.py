@@ -88,6 +88,9 @@ class GroupedLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
     """
 
     num_extra_inputs = 1
+    # (see FusibleOperation.replayable: FP8 plans and flagged weights are never replayed; a replay
+    # returns the weight gradient to autograd, where delayed_wgrad()'s hooks deliver it)
+    replayable = True
 
     def __init__(
         self,
