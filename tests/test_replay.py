@@ -49,6 +49,15 @@ def _inputs(shapes, dt=torch.bfloat16, seed=0):
     return [torch.randn(*s, device=DEV, dtype=dt, generator=g).requires_grad_() for s in shapes]
 
 
+def _setup(name, prepare=None):
+    """(module, its copy, inputs, output gradient) of one case; ``prepare(module)`` runs first."""
+    _, make, shapes = next(c for c in _cases() if c[0] == name)
+    seq = make()
+    if prepare is not None:
+        prepare(seq)
+    return seq, copy.deepcopy(seq), _inputs(shapes), torch.randn(shapes[0], device=DEV, dtype=torch.bfloat16)
+
+
 def _same(a, b):
     assert (a is None) == (b is None)
     if a is not None:
@@ -92,11 +101,7 @@ def test_replay_matches_python_path_bit_for_bit(name, dt):
 
 @gpu
 def test_replay_declines_what_it_was_not_recorded_for():
-    _, make, shapes = next(c for c in _cases() if c[0] == "residual_rmsnorm")
-    seq = make()
-    twin = copy.deepcopy(seq)
-    xs = _inputs(shapes)
-    dy = torch.randn(shapes[0], device=DEV, dtype=torch.bfloat16)
+    seq, twin, xs, dy = _setup("residual_rmsnorm")
     _run(seq, xs, dy)
     plan = _plan(seq)
     n = plan.replay.replayed
@@ -125,12 +130,7 @@ def test_replay_declines_what_it_was_not_recorded_for():
 
 @gpu
 def test_replay_frozen_weight_and_partial_grads():
-    _, make, shapes = next(c for c in _cases() if c[0] == "residual_rmsnorm")
-    seq = make()
-    seq[1].weight.requires_grad_(False)
-    twin = copy.deepcopy(seq)
-    xs = _inputs(shapes)
-    dy = torch.randn(shapes[0], device=DEV, dtype=torch.bfloat16)
+    seq, twin, xs, dy = _setup("residual_rmsnorm", lambda m: m[1].weight.requires_grad_(False))
     got = _run(seq, xs, dy)
     assert _plan(seq).replay.replayed >= 2
     assert seq[1].weight.grad is None
@@ -212,10 +212,7 @@ def test_replay_weight_grads_follow_delayed_wgrad_around_backward():
 
 @gpu
 def test_replay_backward_twice_and_retain_graph():
-    _, make, shapes = next(c for c in _cases() if c[0] == "rmsnorm")
-    seq = make()
-    xs = _inputs(shapes)
-    dy = torch.randn(shapes[0], device=DEV, dtype=torch.bfloat16)
+    seq, _, xs, dy = _setup("rmsnorm")
     _run(seq, xs, dy)
     x = xs[0].detach().clone().requires_grad_()
     y = seq(x)
@@ -241,11 +238,7 @@ def test_replay_not_planned_for_unreplayable_ops():
 
 @gpu
 def test_replay_under_cuda_graphs():
-    _, make, shapes = next(c for c in _cases() if c[0] == "residual_rmsnorm")
-    seq = make()
-    twin = copy.deepcopy(seq)
-    xs = _inputs(shapes)
-    dy = torch.randn(shapes[0], device=DEV, dtype=torch.bfloat16)
+    seq, twin, xs, dy = _setup("residual_rmsnorm")
     _run(seq, xs, dy)  # (recorded and replayed eagerly first)
     sample = [x.detach().clone().requires_grad_() for x in xs]
     g = fo.make_graphed_callables(seq, tuple(sample))
