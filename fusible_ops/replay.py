@@ -429,6 +429,7 @@ def _build(ext, fuser, plan, inputs, n_extra, raw_apply, fn):
         [(-1, False, [], [], 0) if g is None else [b_map[g[0]], *g[1:]] for g in grad_refs], aliases)
 
 
+_autocast = torch.is_autocast_enabled
 _MAX_TRIES = 3  # recordings per geometry that compile or autotune before it stays Python-only
 
 
@@ -443,7 +444,9 @@ class Replayer:
         self.replayed = 0  # calls served (tests read it)
 
     def run(self, x: torch.Tensor, extra: tuple, params: list) -> Optional[torch.Tensor]:
-        if scheduler_active():  # (inside delayed_wgrad() at forward: the contract's Python path)
+        if scheduler_active() or _autocast("cuda"):
+            # (inside delayed_wgrad() at forward: the contract's Python path; under torch.autocast
+            # the ATen ops of a call cast as autocast says when they run, not as when recorded)
             return None
         mode = current_mode()
         r = self.recipes.get(mode)  # (the recipe of the last call in this mode)

@@ -211,6 +211,17 @@ def test_replay_weight_grads_follow_delayed_wgrad_around_backward():
 
 
 @gpu
+def test_no_replay_under_torch_autocast():
+    seq, twin, xs, dy = _setup("bias_gelu")
+    _run(seq, xs, dy)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = seq(*xs)
+        y2 = _no_replay(lambda: twin(*xs))
+    assert y.grad_fn.name() != "FusibleReplayBackward"
+    _same(y, y2)
+
+
+@gpu
 def test_replay_backward_twice_and_retain_graph():
     seq, _, xs, dy = _setup("rmsnorm")
     _run(seq, xs, dy)
