@@ -352,6 +352,7 @@ def record(fuser, plan, inputs: list, n_extra: int):
 
     ext = extension()
     if ext is None:
+        record.last_failure = "the C++ extension could not be built"
         return None
     try:
         return _build(ext, fuser, plan, inputs, n_extra, _RAW_APPLY, _FuserFunction)
@@ -364,6 +365,28 @@ def record(fuser, plan, inputs: list, n_extra: int):
 
 
 record.last_failure = None
+record.last_summary = None
+
+
+def _names(steps) -> str:
+    return "[" + ", ".join(s[1][4].src.fn.__name__ if s[0] == "launch" else str(s[1]) for s in steps) + "]"
+
+
+def explain(module) -> list[str]:
+    """One line per input geometry that ``module``'s fusers have recorded (a ``Sequential``, a
+    fuser, or any module holding them): what its replay runs (allocations, kernels and ATen ops
+    per direction), or why it takes the Python path."""
+    from .fuser import OperationFuser
+
+    lines = []
+    for m in module.modules() if isinstance(module, torch.nn.Module) else [module]:
+        fusers = [m] if isinstance(m, OperationFuser) else [
+            s for s, _ in (getattr(m, "_stages", None) or ()) if isinstance(s, OperationFuser)]
+        for f in fusers:
+            for plan in f._plans.values():
+                if plan.replay is not None:
+                    lines.extend(plan.replay.notes.values())
+    return lines
 
 
 def _build(ext, fuser, plan, inputs, n_extra, raw_apply, fn):
@@ -423,6 +446,8 @@ def _build(ext, fuser, plan, inputs, n_extra, raw_apply, fn):
         raise _Refuse("the backward reads an output that is a view")
     f_allocs = [_geometry(t, 0) for i, t in enumerate(fwd.tensors) if fwd.kind[i] == "alloc" and i in f_map]
     b_allocs = [_geometry(t, 0) for i, t in enumerate(bwd.tensors) if bwd.kind[i] == "alloc" and i in b_map]
+    record.last_summary = (f"forward: {len(f_allocs)} allocations, {_names(rec.steps)}; "
+                           f"backward: {len(b_allocs)} allocations, {_names(rec2.steps)}")
     return ext.make_recipe(
         y.device.index, in_geo, f_allocs, _renumber(fwd_steps, f_map), [[f_map[out[0]], *out[1:]]],
         [f_map[s] for s in saved], [_geometry(dy, 0)], b_allocs, _renumber(bwd_steps, b_map),
@@ -442,6 +467,7 @@ class Replayer:
         self.recipes = _launch.geometry_cache()  # (emptied with the launch geometries: tiling may change)
         self.run_recipe = None
         self.replayed = 0  # calls served (tests read it)
+        self.notes: dict = {}  # geometry -> what explain() reports
 
     def run(self, x: torch.Tensor, extra: tuple, params: list) -> Optional[torch.Tensor]:
         if scheduler_active() or _autocast("cuda"):
@@ -473,11 +499,17 @@ class Replayer:
             if torch.cuda.is_current_stream_capturing():
                 return None  # (a recording's own launches would join the graph)
             r = record(self.fuser, self.plan, inputs, self.n_extra)
+            shapes = [tuple(t.shape) for t in inputs]
+            if len(self.notes) >= 256:  # (bounded under dynamic shapes)
+                self.notes.clear()
             if r is RETRY:  # (a kernel compiled during the recording: e.g. the first call ran no backward)
                 tries = _launch.remember(self.recipes, ("tries", key), self.recipes.get(("tries", key), 0) + 1)
+                self.notes[key] = f"{shapes}: recording again at the next call ({record.last_failure})"
                 if tries < _MAX_TRIES:
                     return None
                 r = None
+            self.notes[key] = (f"{shapes}: replayed; {record.last_summary}" if r is not None else
+                               f"{shapes}: Python path ({record.last_failure})")
             r = _launch.remember(self.recipes, key, r or False)
             if r is not False and self.run_recipe is None:
                 self.run_recipe = extension().run
@@ -491,4 +523,4 @@ class Replayer:
         return outs[0]
 
 
-__all__ = ["ENABLED", "RETRY", "Replayer", "extension", "record"]
+__all__ = ["ENABLED", "RETRY", "Replayer", "explain", "extension", "record"]

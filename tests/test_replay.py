@@ -94,6 +94,7 @@ def test_replay_matches_python_path_bit_for_bit(name, dt):
     assert plan.replay is not None and plan.replay.replayed >= 2, R.record.last_failure
     assert _plan(twin).replay is None
     assert got[0].grad_fn.name() == "FusibleReplayBackward"
+    assert any("replayed; forward:" in line for line in R.explain(seq)), R.explain(seq)
     _same(got[0], want[0])
     for a, b in zip(got[1] + got[2], want[1] + want[2]):
         _same(a, b)
@@ -333,3 +334,14 @@ def test_recorder_refuses_compute_and_accepts_allocations_and_views():
     with rec:
         x.sum().item()
     assert rec.failure is not None
+
+
+def test_explain_lists_each_geometry_note():
+    seq = fo.Sequential(fo.AddExtraInput(), fo.RMSNorm(8))
+    seq(torch.randn(2, 8, requires_grad=True), torch.randn(2, 8)).sum().backward()
+    assert R.explain(seq) == []  # (CPU: no replayer)
+    _plan(seq).replay = types.SimpleNamespace(notes={"k": "[(2, 8)]: replayed; forward: ..."})
+    assert R.explain(seq) == ["[(2, 8)]: replayed; forward: ..."]
+    ck = types.SimpleNamespace(src=types.SimpleNamespace(fn=types.SimpleNamespace(__name__="_norm_fwd_kernel")))
+    steps = [("launch", (None, None, None, None, ck), (1,), []), ("op", torch.ops.aten.sum.dim_IntList, (), {}, None)]
+    assert R._names(steps) == "[_norm_fwd_kernel, aten.sum.dim_IntList]"
