@@ -80,7 +80,8 @@ def _op_refusal(func) -> Optional[str]:
         return f"{func} is not an ATen op"
     if any(t in func.tags for t in _NOT_REPLAYED):
         return f"{func}: its output depends on data or on a random generator"
-    if any(str(r.type) != "Tensor" for r in func._schema.returns):
+    returns = func._schema.returns
+    if not returns or any(str(r.type) != "Tensor" for r in returns):
         return f"{func} returns something other than tensors"
     return None
 

@@ -336,6 +336,13 @@ def test_recorder_refuses_compute_and_accepts_allocations_and_views():
     assert rec.failure is not None
 
 
+def test_op_refusals():
+    assert R._op_refusal(torch.ops.aten.sum.dim_IntList) is None
+    assert "random" in R._op_refusal(torch.ops.aten.bernoulli.default)
+    assert "other than tensors" in R._op_refusal(torch.ops.aten._assert_async.default)  # (returns nothing)
+    assert "depends on data" in R._op_refusal(torch.ops.aten._local_scalar_dense.default)  # (.item())
+
+
 def test_explain_lists_each_geometry_note():
     seq = fo.Sequential(fo.AddExtraInput(), fo.RMSNorm(8))
     seq(torch.randn(2, 8, requires_grad=True), torch.randn(2, 8)).sum().backward()
