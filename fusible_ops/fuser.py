@@ -31,15 +31,13 @@ from .fuser_params import grad_quantizer as _grad_quantizer
 from .fuser_params import input_quantizer as _input_quantizer
 from .fuser_params import reader as _reader
 from .fuser_routing import RoutedSteps, routing_layout
-from .grad import (WeightGradMixin, check_flagged_ops, contract_weights, gate_weights, scheduler_active,
-                   watch_plain_weights)
+from .grad import check_flagged_ops, contract_weights, gate_weights, scheduler_active, watch_plain_weights
 from .kernels import current_mode, set_mode
 from .op import STATE_EPOCH as _STATE_EPOCH
 from .op import BasicOperation, OperationContext
 from .quantization.recipes import current_recipe
 from .quantization.tensor import Float8Tensor
-from . import replay as _replay
-from .replay import Replayer
+from .replay import Replayer, replayer_for
 from .rules import Decline, FusionContext, Group, RuleSet, disabled_key, global_rules, plan_pass
 
 CPU_AUTOGRAD = os.environ.get("FUSIBLE_OPS_CPU_AUTOGRAD", "1") != "0"
@@ -336,14 +334,7 @@ class OperationFuser:
             RoutedSteps(plan, ops, self._routing).install()
         else:
             plan.compile_steps(ops)
-        if (_replay.ENABLED and requires_grad and x.device.type == "cuda" and self._routing is None
-                and base["recipe"] is None and not self._wgrad_flagged and not self._parametrized
-                and self.num_extra_outputs == 0 and all(g.op.replayable for g in fwd + bwd)):
-            plan.replay = Replayer(self, plan, len(extra_inputs))
-            if any(isinstance(op, WeightGradMixin) for op in ops):
-                # A replay returns contract weights' gradients to autograd (plain mode): under a
-                # delayed_wgrad() entered around the backward, its hooks deliver them.
-                watch_plain_weights(self)
+        plan.replay = replayer_for(self, plan, x.device.type, len(extra_inputs), base["recipe"])
         return plan
 
     def _split_extra(self, extra_inputs: Sequence) -> list[tuple]:

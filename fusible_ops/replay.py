@@ -42,7 +42,7 @@ from typing import Optional, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .grad import scheduler_active
+from .grad import WeightGradMixin, scheduler_active, watch_plain_weights
 from .kernels import current_mode
 from .kernels import launch as _launch
 
@@ -455,6 +455,21 @@ def _build(ext, fuser, plan, inputs, n_extra, raw_apply, fn):
         [(-1, False, [], [], 0) if g is None else [b_map[g[0]], *g[1:]] for g in grad_refs], aliases)
 
 
+def replayer_for(fuser, plan, device_type: str, n_extra: int, recipe) -> Optional["Replayer"]:
+    """The :class:`Replayer` of a new plan, or None when its calls are never replayed: not a CUDA
+    training plan, an FP8 ``recipe``, MoE routing, flagged contract weights, parametrized weights,
+    extra outputs, or a step that is not ``replayable``."""
+    if not (ENABLED and plan.requires_grad and device_type == "cuda" and fuser._routing is None and recipe is None
+            and not fuser._wgrad_flagged and not fuser._parametrized and fuser.num_extra_outputs == 0
+            and all(g.op.replayable for g in plan.forward + plan.backward)):
+        return None
+    if any(isinstance(op, WeightGradMixin) for op in fuser.ops):
+        # A replay returns contract weights' gradients to autograd (plain mode): under a
+        # delayed_wgrad() entered around the backward, its hooks deliver them.
+        watch_plain_weights(fuser)
+    return Replayer(fuser, plan, n_extra)
+
+
 _autocast = torch.is_autocast_enabled
 _MAX_TRIES = 3  # recordings per geometry that compile or autotune before it stays Python-only
 
@@ -486,9 +501,9 @@ class Replayer:
             if outs:
                 self.replayed += 1
                 return outs[0]
-        return self._new_geometry(mode, inputs)
+        return self._new_geometry(mode, inputs, r)
 
-    def _new_geometry(self, mode: str, inputs: list) -> Optional[torch.Tensor]:
+    def _new_geometry(self, mode: str, inputs: list, tried) -> Optional[torch.Tensor]:
         if not _launch.DIRECT or any(not isinstance(t, torch.Tensor) or not t.is_cuda for t in inputs):
             return None
         key = (mode, *[(t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in inputs])
@@ -514,7 +529,7 @@ class Replayer:
             r = _launch.remember(self.recipes, key, r or False)
             if r is not False and self.run_recipe is None:
                 self.run_recipe = extension().run
-        if r is False:
+        if r is False or r is tried:  # (``tried`` declined this call already)
             return None
         outs = self.run_recipe(r, inputs)
         if not outs:
@@ -524,4 +539,4 @@ class Replayer:
         return outs[0]
 
 
-__all__ = ["ENABLED", "RETRY", "Replayer", "explain", "extension", "record"]
+__all__ = ["ENABLED", "RETRY", "Replayer", "explain", "extension", "record", "replayer_for"]
