@@ -106,9 +106,12 @@ class FusibleOperation(torch.nn.Module):
     replayable: bool = False
     """True when, on CUDA, this op's forward and backward (``fuser_forward`` / ``fuser_backward``, or
     ``op_forward`` / ``op_backward``) issue only cached Triton launches (``DirectKernel``),
-    allocations and views, every launch argument a function of the inputs' sizes, strides, dtypes,
-    device and this op's attributes, and return their gradients to autograd as they are. A
-    training plan whose steps all set it is replayed from C++ (:mod:`fusible_ops.replay`)."""
+    allocations, views and ATen ops whose results depend on their inputs alone (cuBLAS GEMMs, adds,
+    casts: no host read, no random draw), every launch argument a function of the inputs' sizes,
+    strides, dtypes, device and this op's attributes, and return their gradients to autograd as
+    they are. A training plan whose steps all set it is replayed from C++
+    (:mod:`fusible_ops.replay`; the recording checks each of these and keeps a call that breaks
+    one on the Python path)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
