@@ -194,6 +194,13 @@ class OperationFuser:
         self._wgrad_flagged = False
         self.last_key: Optional[tuple] = None  # key of the last call (fusion_plan() reports it)
 
+    def __setstate__(self, state: dict) -> None:
+        # (copy.deepcopy of a module, unpickling: the copy's cached plans leave the same weights
+        # to delayed_wgrad()'s hooks as the original's did, so it is watched as the original was)
+        self.__dict__.update(state)
+        if state.get("plain_watched"):
+            watch_plain_weights(self)
+
     # -- planning ----------------------------------------------------------------------
     def _rule_set(self) -> RuleSet:
         return self.rules if self.rules is not None else global_rules()

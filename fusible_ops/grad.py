@@ -243,8 +243,11 @@ _late_handles: list = []
 
 def watch_plain_weights(fuser) -> None:
     """Register a fuser whose cpu_autograd plans leave plain-mode contract weights ungated (once
-    per plan made): :func:`delayed_wgrad` hooks their weights while it is active."""
+    per plan made): :func:`delayed_wgrad` hooks their weights while it is active. A copy of the
+    fuser (``copy.deepcopy`` of its module, unpickling) is watched too (see
+    ``OperationFuser.__setstate__``)."""
     _watched.add(fuser)
+    fuser.plain_watched = True
 
 
 def _hook_plain_weights() -> list:

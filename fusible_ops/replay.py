@@ -485,6 +485,14 @@ class Replayer:
         self.replayed = 0  # calls served (tests read it)
         self.notes: dict = {}  # geometry -> what explain() reports
 
+    def __getstate__(self) -> dict:
+        # A copy (copy.deepcopy, pickling) records its own recipes: a recipe is a C++ object
+        # bound to this process's compiled kernels.
+        return {"fuser": self.fuser, "plan": self.plan, "n_extra": self.n_extra}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["fuser"], state["plan"], state["n_extra"])
+
     def run(self, x: torch.Tensor, extra: tuple, params: list) -> Optional[torch.Tensor]:
         if scheduler_active() or _autocast("cuda"):
             # (inside delayed_wgrad() at forward: the contract's Python path; under torch.autocast

@@ -9,6 +9,7 @@ really taken (and really not taken where it must not be); and that the plan is u
 """
 
 import copy
+import io
 
 import pytest
 import torch
@@ -27,8 +28,9 @@ F64 = torch.float64
 
 
 def _through_function(y) -> bool:
-    """Whether ``y`` came out of the fuser's autograd function."""
-    return "FuserFunction" in type(y.grad_fn).__name__
+    """Whether ``y`` came out of the fused path: the fuser's autograd function, or its C++ replay
+    (CUDA: fusible_ops.replay), not PyTorch's autograd over torch's own ops."""
+    return "FuserFunction" in type(y.grad_fn).__name__ or y.grad_fn.name() == "FusibleReplayBackward"
 
 
 def _run(seq, inputs, seed=7):
@@ -224,6 +226,31 @@ def test_plain_weights_are_not_gated_and_late_hooks_go_away():
     seq(x).sum().backward()  # no delayed_wgrad(): straight into .grad
     assert_close(seq[0].weight.grad, 2 * g0, F64)
     assert not seq[0].weight.skip_backward_post_hook
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_copy_of_a_module_that_ran_keeps_delayed_wgrad(how):
+    """A copy (deepcopy, or torch.save + torch.load) of a Sequential that already ran holds its
+    plans: under delayed_wgrad() around the backward the copy's plain-mode weights are queued
+    for flush_wgrad() as the original's are, not accumulated into .grad at once."""
+    seq = fo.Sequential(fo.Linear(6, 5, dtype=F64), fo.GELU(), fo.Linear(5, 4, dtype=F64))
+    x = _x(3, 6)
+    seq(x).sum().backward()
+    if how == "deepcopy":
+        twin = copy.deepcopy(seq)
+    else:
+        buf = io.BytesIO()
+        torch.save(seq, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    for m in (seq, twin):
+        m.zero_grad(set_to_none=True)
+        y = m(x)
+        with fo.delayed_wgrad():
+            y.sum().backward()
+        assert m[0].weight.grad is None and m[2].weight.grad is None
+        fo.flush_wgrad()
+    assert_close(twin[0].weight.grad, seq[0].weight.grad, F64)
 
 
 def test_tied_plain_weight_under_delayed_wgrad():

@@ -226,6 +226,22 @@ def test_replay_weight_grads_follow_delayed_wgrad_around_backward(kind):
 
 
 @gpu
+def test_deepcopy_of_a_replayed_module_records_its_own():
+    """copy.deepcopy of a module whose calls replay: the copy holds no recipe of the original
+    (C++ objects) and records and replays its own, with the original's results."""
+    seq, _, xs, _ = _setup("dense")
+    dy = torch.randn(300, 192, device=DEV, dtype=torch.bfloat16)
+    want = _run(seq, xs, dy)
+    assert _plan(seq).replay.replayed >= 2, R.record.last_failure
+    twin = copy.deepcopy(seq)
+    assert _plan(twin).replay is not None and _plan(twin).replay.replayed == 0
+    got = _run(twin, [x.detach().clone().requires_grad_() for x in xs], dy)
+    assert _plan(twin).replay.replayed >= 1 and got[0].grad_fn.name() == "FusibleReplayBackward"
+    for a, b in zip(got[:1] + got[1] + got[2], want[:1] + want[1] + want[2]):
+        _same(a, b)
+
+
+@gpu
 def test_replay_frozen_linear_weight():
     """A frozen linear weight: no weight gradient on the replay either (its plan records none)."""
     seq, twin, xs, dy = _setup("dense", lambda m: m[0].weight.requires_grad_(False))
