@@ -324,6 +324,63 @@ def test_replay_under_cuda_graphs():
     _same(seq[1].weight.grad, twin[1].weight.grad)
 
 
+@gpu
+@pytest.mark.parametrize("capture", ["fusible_ops", "torch"])
+def test_chain_of_replayed_blocks_captures_after_eager_steps(capture):
+    """Four MLP blocks (one Sequential each, every call replayed) trained eagerly, then captured:
+    the capture takes the Python path (replay declines under capture) and the graphed steps give
+    the eager Python path's gradients. (Captured replays of such chains broke the capture.)"""
+    kw = dict(device=DEV, dtype=torch.bfloat16)
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.ModuleList(fo.Sequential(
+            fo.RMSNorm(128, **kw), fo.Linear(128, 512, **kw), fo.SwiGLU(), fo.Linear(256, 128, **kw),
+            fo.AddExtraInput()) for _ in range(4))
+
+    def chain(blocks):
+        def f(x):
+            for b in blocks:
+                x = b(x, x)
+            return x
+        return f
+
+    blocks, twin = make(), make()
+    x = torch.randn(256, 128, requires_grad=True, **kw)
+    dy = torch.randn(256, 128, **kw)
+    for _ in range(3):
+        chain(blocks)(x).backward(dy)
+    assert all(_plan(b).replay.replayed >= 1 for b in blocks), R.record.last_failure
+    blocks.zero_grad(set_to_none=True)
+    module = torch.nn.Sequential(*[_Pair(b) for b in blocks])
+    sample = (x.detach().clone().requires_grad_(),)
+    if capture == "fusible_ops":
+        g = fo.make_graphed_callables(module, sample)
+    else:
+        for p in module.parameters():
+            p.grad = torch.zeros_like(p)
+        g = torch.cuda.make_graphed_callables(module, sample)
+    for p in module.parameters():
+        p.grad.zero_()
+    for _ in range(2):
+        g(x).backward(dy)
+    for _ in range(2):
+        _no_replay(lambda: chain(twin)(x)).backward(dy)
+    for a, b in zip(blocks.parameters(), twin.parameters()):
+        _same(a.grad, b.grad)
+
+
+class _Pair(torch.nn.Module):
+    """A block called as ``block(x, x)`` (its residual is its input)."""
+
+    def __init__(self, block) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return self.block(x, x)
+
+
 # ---------------------------------------------------------------- CPU: the recording's pieces
 
 def test_no_replay_off_cuda():
