@@ -471,7 +471,6 @@ def replayer_for(fuser, plan, device_type: str, n_extra: int, recipe) -> Optiona
 
 
 _autocast = torch.is_autocast_enabled
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)  # (CUDA builds have it)
 _MAX_TRIES = 3  # recordings per geometry that compile or autotune before it stays Python-only
 
 
@@ -495,12 +494,9 @@ class Replayer:
         self.__init__(state["fuser"], state["plan"], state["n_extra"])
 
     def run(self, x: torch.Tensor, extra: tuple, params: list) -> Optional[torch.Tensor]:
-        if scheduler_active() or _autocast("cuda") or _capturing():
+        if scheduler_active() or _autocast("cuda"):
             # (inside delayed_wgrad() at forward: the contract's Python path; under torch.autocast
-            # the ATen ops of a call cast as autocast says when they run, not as when recorded;
-            # under CUDA-graph capture the graph holds the Python path's launches: a graph replay
-            # costs no host time either way, and chains of replayed nodes captured after eager
-            # replays broke the capture on the H200 of 2026-11-26, cause not found)
+            # the ATen ops of a call cast as autocast says when they run, not as when recorded)
             return None
         mode = current_mode()
         r = self.recipes.get(mode)  # (the recipe of the last call in this mode)
@@ -524,6 +520,8 @@ class Replayer:
             if ("seen", key) not in self.recipes:  # its first call: the Python path compiles the kernels
                 _launch.remember(self.recipes, ("seen", key), True)
                 return None
+            if torch.cuda.is_current_stream_capturing():
+                return None  # (a recording's own launches would join the graph)
             r = record(self.fuser, self.plan, inputs, self.n_extra)
             shapes = [tuple(t.shape) for t in inputs]
             if len(self.notes) >= 256:  # (bounded under dynamic shapes)
