@@ -52,20 +52,6 @@ from .quantization.casting import graph_weight_cache, refresh_graph_weights
 Callables = Union[torch.nn.Module, tuple]
 
 
-def _replayed_fusers(modules) -> list:
-    """The fusers inside ``modules`` with a plan whose calls were replayed from C++."""
-    from .fuser import OperationFuser
-
-    out = []
-    for m in modules:
-        for sub in m.modules():
-            for stage in [s for s, _ in (getattr(sub, "_stages", None) or ())]:
-                if isinstance(stage, OperationFuser) and any(
-                        p.replay is not None and p.replay.replayed for p in stage._plans.values()):
-                    out.append(stage)
-    return out
-
-
 def _weight_ops(modules) -> list:
     """The weight-owning basic ops inside ``modules`` (also those a fusible module such as
     ``fo.Linear`` holds as its ``basic_ops`` rather than as child modules)."""
@@ -227,19 +213,8 @@ def make_graphed_callables(modules: Callables, sample_args, *, num_warmup_iters:
         state.restore()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         with graph_weight_cache(fp8_weight_cache) as fp8_weights:
-            try:
-                graphed = torch.cuda.make_graphed_callables(mods, args, num_warmup_iters=0,
-                                                            allow_unused_input=True, pool=pool)
-            except RuntimeError as e:
-                replayed = _replayed_fusers(mods)
-                if len(replayed) < 2:
-                    raise
-                raise RuntimeError(
-                    f"make_graphed_callables: the capture failed ({str(e).splitlines()[0]}). {len(replayed)} "
-                    "fusers of these modules already replayed eager calls from C++ (fusible_ops.replay): a "
-                    "chain of such modules trained eagerly and then captured breaks the capture (known "
-                    "limitation). Capture before the first eager step, or run with FUSIBLE_OPS_REPLAY=0"
-                ) from e
+            graphed = torch.cuda.make_graphed_callables(mods, args, num_warmup_iters=0, allow_unused_input=True,
+                                                        pool=pool)
             graphed = tuple(graphed)  # (torch returns a tuple for a tuple of callables)
             delayed = _capture_delayed(ops, pool)
     torch.cuda.synchronize()

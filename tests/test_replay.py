@@ -290,18 +290,10 @@ def test_replay_under_cuda_graphs():
 
 
 @gpu
-@pytest.mark.parametrize("capture", [
-    pytest.param("fusible_ops", marks=pytest.mark.xfail(
-        strict=True, raises=RuntimeError, reason="known limitation: fusible_ops.make_graphed_callables raises "
-        "a clear error naming it and the workaround (see test_capture_after_eager_replays_names_the_limit)")),
-    pytest.param("torch", marks=pytest.mark.xfail(
-        strict=True, raises=RuntimeError, reason="known limitation: the capture fails with a CUDA error")),
-])
+@pytest.mark.parametrize("capture", ["fusible_ops", "torch"])
 def test_chain_of_replayed_modules_captures_after_eager_steps(capture):
     """Four Sequentials in a chain (RMSNorm -> GELU each, every call replayed) trained eagerly,
-    then captured: the graphed steps should give the eager Python path's gradients. Known
-    limitation (H200, 2026-11-26): the capture fails (an AccumulateGrad on the legacy stream);
-    a single replayed module captures fine (test_replay_under_cuda_graphs), cause not found."""
+    then captured: the graphed steps give the eager Python path's gradients."""
     kw = dict(device=DEV, dtype=torch.bfloat16)
 
     def make():
@@ -330,19 +322,6 @@ def test_chain_of_replayed_modules_captures_after_eager_steps(capture):
         _no_replay(lambda: twin(x)).backward(dy)
     for a, b in zip(chain.parameters(), twin.parameters()):
         _same(a.grad, b.grad)
-
-
-@gpu
-def test_capture_after_eager_replays_names_the_limit():
-    """The known limitation above, as users meet it through fusible_ops.make_graphed_callables:
-    a clear error that names it and the workaround, not only the CUDA error."""
-    kw = dict(device=DEV, dtype=torch.bfloat16)
-    chain = torch.nn.Sequential(*[fo.Sequential(fo.RMSNorm(128, **kw), fo.GELU()) for _ in range(2)])
-    x = torch.randn(256, 128, requires_grad=True, **kw)
-    for _ in range(3):
-        chain(x).sum().backward()
-    with pytest.raises(RuntimeError, match="FUSIBLE_OPS_REPLAY=0"):
-        fo.make_graphed_callables(chain, (x.detach().clone().requires_grad_(),))
 
 
 # ---------------------------------------------------------------- CPU: the recording's pieces
