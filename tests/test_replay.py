@@ -289,41 +289,6 @@ def test_replay_under_cuda_graphs():
     _same(seq[1].weight.grad, twin[1].weight.grad)
 
 
-@gpu
-@pytest.mark.parametrize("capture", ["fusible_ops", "torch"])
-def test_chain_of_replayed_modules_captures_after_eager_steps(capture):
-    """Four Sequentials in a chain (RMSNorm -> GELU each, every call replayed) trained eagerly,
-    then captured: the graphed steps give the eager Python path's gradients."""
-    kw = dict(device=DEV, dtype=torch.bfloat16)
-
-    def make():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*[fo.Sequential(fo.RMSNorm(128, **kw), fo.GELU()) for _ in range(4)])
-
-    chain, twin = make(), make()
-    x = torch.randn(256, 128, requires_grad=True, **kw)
-    dy = torch.randn(256, 128, **kw)
-    for _ in range(3):
-        chain(x).backward(dy)
-    assert all(_plan(b).replay.replayed >= 1 for b in chain), R.record.last_failure
-    chain.zero_grad(set_to_none=True)
-    sample = (x.detach().clone().requires_grad_(),)
-    if capture == "fusible_ops":
-        g = fo.make_graphed_callables(chain, sample)
-    else:
-        for p in chain.parameters():
-            p.grad = torch.zeros_like(p)
-        g = torch.cuda.make_graphed_callables(chain, sample)
-    for p in chain.parameters():
-        p.grad.zero_()
-    for _ in range(2):
-        g(x).backward(dy)
-    for _ in range(2):
-        _no_replay(lambda: twin(x)).backward(dy)
-    for a, b in zip(chain.parameters(), twin.parameters()):
-        _same(a.grad, b.grad)
-
-
 # ---------------------------------------------------------------- CPU: the recording's pieces
 
 def test_no_replay_off_cuda():
