@@ -332,6 +332,26 @@ def _used(steps) -> set:
     return got
 
 
+class _BwdSlots(_Slots):
+    """Backward's tensors: a pointer into none of its own is a forward tensor the backward reads
+    (appended to ``saved`` as its forward slot, numbered here on first use). A module-level class:
+    one defined inside the recording would be a reference cycle holding the recorded call's inputs,
+    and through them their autograd history (AccumulateGrad nodes made on the recording's stream),
+    until Python's cyclic GC ran: a later CUDA-graph capture of the model then failed."""
+
+    def __init__(self, given, allocs, fwd: _Slots, saved: list) -> None:
+        super().__init__(given, allocs)
+        self.fwd, self.saved = fwd, saved
+
+    def find(self, ptr: int) -> tuple[int, int]:
+        try:
+            return _Slots.find(self, ptr)
+        except _Refuse:
+            s, off = self.fwd.find(ptr)
+            self.saved.append(s)
+            return self.add(self.fwd.tensors[s], "given"), off
+
+
 def _geometry(t: torch.Tensor, align: int) -> tuple:
     return (list(t.shape), list(t.stride()), _DT[t.dtype], align)
 
@@ -423,17 +443,7 @@ def _build(ext, fuser, plan, inputs, n_extra, raw_apply, fn):
         raise _Refuse("the output is an input")
     # Backward: the gradient, the forward tensors it reads (saved, found on first use), its own.
     saved: list = []
-
-    class _Bwd(_Slots):
-        def find(self, ptr):
-            try:
-                return _Slots.find(self, ptr)
-            except _Refuse:
-                s, off = fwd.find(ptr)
-                saved.append(s)
-                return self.add(fwd.tensors[s], "given"), off
-
-    bwd = _Bwd([dy], rec2.allocs)
+    bwd = _BwdSlots([dy], rec2.allocs, fwd, saved)
     bwd_steps = _steps(rec2.steps, bwd, ext.param_info)
     grad_refs = [None if g is None else _ref(g, bwd) for g in input_grads]
     # Replay numbering (unused allocations dropped): forward [inputs, allocs, op outputs];

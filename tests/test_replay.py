@@ -4,6 +4,7 @@ The GPU tests build the extension (about a minute, once per machine); the CPU te
 recording's pieces and that nothing is replayed off CUDA."""
 
 import copy
+import gc
 import types
 
 import pytest
@@ -289,7 +290,78 @@ def test_replay_under_cuda_graphs():
     _same(seq[1].weight.grad, twin[1].weight.grad)
 
 
+def _mark_accumulators(tensors):
+    for k, t in enumerate(tensors):
+        torch.autograd.graph.get_gradient_edge(t).node.metadata["fo_mark"] = k
+
+
+def _marked_alive(tensors):
+    return ["fo_mark" in torch.autograd.graph.get_gradient_edge(t).node.metadata for t in tensors]
+
+
+@gpu
+@pytest.mark.parametrize("capture", ["fusible_ops", "torch"])
+def test_chain_of_replayed_modules_captures_after_eager_steps(capture):
+    """Four Sequentials in a chain (RMSNorm -> GELU each, every call replayed) trained eagerly,
+    then captured: the graphed steps give the eager Python path's gradients. A recording must
+    keep nothing of its call's autograd history alive (checked with the cyclic GC off): a
+    recording that held its inputs kept the weights' AccumulateGrad nodes of that eager step
+    alive, on the default stream, and the capture then failed (legacy stream dependency)."""
+    kw = dict(device=DEV, dtype=torch.bfloat16)
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[fo.Sequential(fo.RMSNorm(128, **kw), fo.GELU()) for _ in range(4)])
+
+    chain, twin = make(), make()
+    x = torch.randn(256, 128, requires_grad=True, **kw)
+    dy = torch.randn(256, 128, **kw)
+    weights = list(chain.parameters())
+    gc.disable()
+    try:
+        for i in range(3):
+            y = chain(x)
+            if i == 1:  # (the step that records every module)
+                _mark_accumulators(weights)
+            y.backward(dy)
+            del y
+        alive = _marked_alive(weights)
+    finally:
+        gc.enable()
+    assert all(_plan(b).replay.replayed >= 1 for b in chain), R.record.last_failure
+    assert not any(alive), alive  # (else the capture below fails and breaks the CUDA context)
+    chain.zero_grad(set_to_none=True)
+    sample = (x.detach().clone().requires_grad_(),)
+    if capture == "fusible_ops":
+        g = fo.make_graphed_callables(chain, sample)
+    else:
+        for p in chain.parameters():
+            p.grad = torch.zeros_like(p)
+        g = torch.cuda.make_graphed_callables(chain, sample)
+    for p in chain.parameters():
+        p.grad.zero_()
+    for _ in range(2):
+        g(x).backward(dy)
+    for _ in range(2):
+        _no_replay(lambda: twin(x)).backward(dy)
+    for a, b in zip(chain.parameters(), twin.parameters()):
+        _same(a.grad, b.grad)
+
+
 # ---------------------------------------------------------------- CPU: the recording's pieces
+
+def test_backward_slots_find_forward_tensors_as_saved():
+    """A backward pointer into a forward tensor becomes a saved slot (once per use, numbered
+    after the backward's own tensors)."""
+    a, b, dy = torch.empty(8), torch.empty(4), torch.empty(8)
+    fwd = R._Slots([a], [b])
+    saved = []
+    bwd = R._BwdSlots([dy], [], fwd, saved)
+    assert bwd.find(dy.data_ptr() + 4) == (0, 4)
+    assert bwd.find(b.data_ptr() + 8) == (1, 8) and saved == [1]
+    other = torch.empty(2)
+    with pytest.raises(R._Refuse, match="neither an input nor made by the call"):
+        bwd.find(other.data_ptr())
 
 def test_no_replay_off_cuda():
     seq = fo.Sequential(fo.AddExtraInput(), fo.RMSNorm(16))
