@@ -33,6 +33,11 @@ def _cases(dt=torch.bfloat16):
     yield "gelu", lambda: fo.Sequential(fo.GELU()), [(257, 768)]
     yield "bias_gelu", lambda: fo.Sequential(fo.Bias(768, **kw), fo.GELU()), [(257, 768)]
     yield "bias", lambda: fo.Sequential(fo.Bias(768, **kw)), [(3, 50, 768)]
+    yield "dense", lambda: fo.Sequential(fo.Linear(256, 512, **kw), fo.GELU(), fo.Linear(512, 192, **kw)), [(300, 256)]
+    yield "linear_nobias", lambda: fo.Sequential(fo.Linear(256, 160, bias=False, **kw)), [(4, 33, 256)]
+    yield "mlp_block", lambda: fo.Sequential(
+        fo.RMSNorm(256, **kw), fo.Linear(256, 1024, **kw), fo.SwiGLU(), fo.Linear(512, 256, **kw),
+        fo.AddExtraInput()), [(3, 40, 256), (3, 40, 256)]
 
 
 def _run(seq, xs, dy, n=3):
@@ -228,6 +233,52 @@ def test_deepcopy_of_a_replayed_module_records_its_own():
 
 
 @gpu
+@pytest.mark.parametrize("kind", ["grouped", "dense"])
+def test_replay_weight_grads_follow_delayed_wgrad_around_backward_lin(kind):
+    if kind == "grouped":
+        seq = _grouped()
+        splits = torch.tensor([5, 0, 7, 4], device=DEV)
+        x = torch.randn(16, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        args = [x, splits, splits]
+    else:
+        seq, _, args, _ = _setup("dense")
+        x = args[0]
+    twin = copy.deepcopy(seq)
+    dy = torch.randn_like(x) if kind == "grouped" else torch.randn(300, 192, device=DEV, dtype=torch.bfloat16)
+    _run(seq, args, dy)
+    for m in (seq, twin):
+        m.zero_grad(set_to_none=True)
+    y = seq(*args)
+    assert y.grad_fn.name() == "FusibleReplayBackward"
+    with fo.delayed_wgrad():
+        y.backward(dy)
+    # (queued, not accumulated: the weights'; a bias's gradient goes to .grad as on the Python path)
+    assert all(p.grad is None for n, p in seq.named_parameters() if n.endswith("weight"))
+    fo.flush_wgrad()
+    y2 = _no_replay(lambda: twin(*args))
+    with fo.delayed_wgrad():
+        y2.backward(dy)
+    fo.flush_wgrad()
+    for a, b in zip(seq.parameters(), twin.parameters()):
+        _same(a.grad, b.grad)
+
+
+@gpu
+def test_replay_frozen_linear_weight():
+    """A frozen linear weight: no weight gradient on the replay either (its plan records none)."""
+    seq, twin, xs, dy = _setup("dense", lambda m: m[0].weight.requires_grad_(False))
+    dy = torch.randn(300, 192, device=DEV, dtype=torch.bfloat16)
+    got = _run(seq, xs, dy)
+    assert _plan(seq).replay.replayed >= 2, R.record.last_failure
+    assert got[0].grad_fn.name() == "FusibleReplayBackward"
+    assert seq[0].weight.grad is None
+    xs2 = [x.detach().clone().requires_grad_() for x in xs]
+    want = _no_replay(lambda: _run(twin, xs2, dy))
+    for a, b in zip(got[1] + got[2], want[1] + want[2]):
+        _same(a, b)
+
+
+@gpu
 def test_no_replay_under_torch_autocast():
     seq, twin, xs, dy = _setup("bias_gelu")
     _run(seq, xs, dy)
@@ -257,7 +308,7 @@ def test_replay_backward_twice_and_retain_graph():
 def test_replay_not_planned_for_unreplayable_ops():
     kw = dict(device=DEV, dtype=torch.bfloat16)
     for seq, args in [(fo.Sequential(fo.GELU(), fo.Dropout(0.1)).train(), (torch.randn(256, 512, **kw),)),
-                      (fo.Sequential(fo.Linear(256, 512, **kw), fo.GELU()), (torch.randn(256, 256, **kw),))]:
+                      (fo.Sequential(fo.Linear(256, 512, **kw), fo.GELU(), fo.Dropout(0.1)).train(), (torch.randn(256, 256, **kw),))]:
         args[0].requires_grad_()
         for _ in range(3):
             seq(*args).sum().backward()

@@ -64,8 +64,8 @@ class ForwardLinearBiasActivation(FusedOperation):
         self._no_extras = [()] * len(ops)
 
     @property
-    def replayable(self) -> bool:  # (see FusibleOperation.replayable; a linear's weight has the contract)
-        return self.roles["linear"][0] is None and self.roles["dropout"][0] is None
+    def replayable(self) -> bool:  # (see FusibleOperation.replayable; a dropout's seed is drawn per call)
+        return self.roles["dropout"][0] is None
 
     def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
         r = self.roles

@@ -30,6 +30,10 @@ class BasicLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
 
     accepts_fp8 = True  # reads a Float8Tensor input / output gradient directly
     cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
+    # (see FusibleOperation.replayable: cuBLAS GEMMs, ATen ops the replay runs through the
+    # dispatcher. FP8 plans and flagged weights are never replayed; a replay returns the weight
+    # gradient to autograd, where delayed_wgrad()'s hooks deliver it)
+    replayable = True
 
     def __init__(
         self,

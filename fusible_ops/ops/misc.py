@@ -13,6 +13,7 @@ class AddExtraInput(BasicOperation):
 
     num_extra_inputs = 1
     cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
+    replayable = True  # (see FusibleOperation.replayable: an ATen add; its backward passes dy on)
 
     @classmethod
     def _example(cls, n: int, **factory):
