@@ -11,22 +11,23 @@ How a geometry gets its recipe:
 1. Its first call takes the Python path (Triton compiles and caches the binaries).
 2. Its second call is recorded first: the plan's forward and its backward (on a scratch gradient)
    run on the call's own inputs (detached) under a recorder that sees every launch of a cached
-   binary and every ATen op. Allocations and views are all the ATen work it accepts; a compute
-   op, a compile, an autotuning run, a dropout seed or a pointer into memory that is neither an
-   input nor an allocation of the call makes the geometry Python-only for good.
+   binary and every ATen op. It accepts allocations, views and ATen ops whose results depend on
+   their inputs alone (GEMMs, adds, column sums: replayed through the dispatcher). A compile or
+   an autotuning run makes the next call record again; any other ATen op (a host read, a random
+   draw), a dropout seed or a pointer into memory that is neither an input nor an allocation of
+   the call makes the geometry Python-only for good.
 3. Every call of the geometry, the second included, then runs the recipe (``Recipe`` in C++),
    which checks the inputs' sizes, strides, dtypes, device and pointer alignment against the
    recording and declines (the call takes the Python path) on any difference.
 
-What must hold for an op to set ``replayable``: on CUDA, its ``fuser_forward`` /
-``fuser_backward`` (or ``op_forward`` / ``op_backward``) issue only :class:`DirectKernel` launches,
-allocations and views, with every launch argument a function of the inputs' sizes, strides, dtypes,
-device and the op's own attributes (assigning one makes a new plan); and the gradients it returns go
-to autograd as they are (no ``main_grad`` delivery, no delayed weight gradients: the fuser replays
-no plan of a flagged op). The recorder checks the first part on the recorded call.
+What must hold for an op to set ``replayable``: see :attr:`FusibleOperation.replayable` (in
+short, only what the recorder accepts, every argument a function of the inputs' geometry and the
+op's attributes, and gradients returned to autograd as they are: no plan of an op flagged for
+``main_grad`` or delayed weight gradients is replayed). The recorder checks the first part on the
+recorded call.
 
 The C++ extension is built with ``torch.utils.cpp_extension`` on the first recording in a process
-(a minute the first time; cached on disk by torch). ``FUSIBLE_OPS_REPLAY=0`` (or setting
+(about 30 s the first time; cached on disk by torch). ``FUSIBLE_OPS_REPLAY=0`` (or setting
 :data:`ENABLED` to False), or a build that fails (a warning says why), leaves every call on the
 Python path.
 """
