@@ -61,7 +61,16 @@ def _setup(name, prepare=None):
     seq = make()
     if prepare is not None:
         prepare(seq)
-    return seq, copy.deepcopy(seq), _inputs(shapes), torch.randn(shapes[0], device=DEV, dtype=torch.bfloat16)
+    twin, xs = copy.deepcopy(seq), _inputs(shapes)
+    with torch.no_grad():  # (the output's shape; an inference plan, not the training plan's first call)
+        shape = seq(*xs).shape
+    return seq, twin, xs, torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+
+
+def _same_all(got, want):
+    """``_run``'s output and every gradient, bit for bit."""
+    for a, b in zip([got[0], *got[1], *got[2]], [want[0], *want[1], *want[2]]):
+        _same(a, b)
 
 
 def _same(a, b):
@@ -101,9 +110,7 @@ def test_replay_matches_python_path_bit_for_bit(name, dt):
     assert _plan(twin).replay is None
     assert got[0].grad_fn.name() == "FusibleReplayBackward"
     assert any("replayed; forward:" in line for line in R.explain(seq)), R.explain(seq)
-    _same(got[0], want[0])
-    for a, b in zip(got[1] + got[2], want[1] + want[2]):
-        _same(a, b)
+    _same_all(got, want)
 
 
 @gpu
@@ -204,8 +211,7 @@ def test_deepcopy_of_a_replayed_module_records_its_own():
     assert _plan(twin).replay is not None and _plan(twin).replay.replayed == 0
     got = _run(twin, [x.detach().clone().requires_grad_() for x in xs], dy)
     assert _plan(twin).replay.replayed >= 1 and got[0].grad_fn.name() == "FusibleReplayBackward"
-    for a, b in zip([got[0]] + got[1] + got[2], [want[0]] + want[1] + want[2]):
-        _same(a, b)
+    _same_all(got, want)
 
 
 @gpu
@@ -217,10 +223,11 @@ def test_replay_weight_grads_follow_delayed_wgrad_around_backward(kind):
         x = torch.randn(16, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         args = [x, splits, splits]
     else:
-        seq, _, args, _ = _setup("dense")
+        seq, _, args, dy = _setup("dense")
         x = args[0]
     twin = copy.deepcopy(seq)
-    dy = torch.randn_like(x) if kind == "grouped" else torch.randn(300, 192, device=DEV, dtype=torch.bfloat16)
+    if kind == "grouped":
+        dy = torch.randn_like(x)
     _run(seq, args, dy)
     for m in (seq, twin):
         m.zero_grad(set_to_none=True)
@@ -243,15 +250,13 @@ def test_replay_weight_grads_follow_delayed_wgrad_around_backward(kind):
 def test_replay_frozen_linear_weight():
     """A frozen linear weight: no weight gradient on the replay either (its plan records none)."""
     seq, twin, xs, dy = _setup("dense", lambda m: m[0].weight.requires_grad_(False))
-    dy = torch.randn(300, 192, device=DEV, dtype=torch.bfloat16)
     got = _run(seq, xs, dy)
     assert _plan(seq).replay.replayed >= 2, R.record.last_failure
     assert got[0].grad_fn.name() == "FusibleReplayBackward"
     assert seq[0].weight.grad is None
     xs2 = [x.detach().clone().requires_grad_() for x in xs]
     want = _no_replay(lambda: _run(twin, xs2, dy))
-    for a, b in zip(got[1] + got[2], want[1] + want[2]):
-        _same(a, b)
+    _same_all(got, want)
 
 
 @gpu
