@@ -10,7 +10,7 @@ import torch
 
 from fusible_ops.bench import CASES, FIELDS, main, percentile, routing_splits
 from fusible_ops.bench import cases as bench_cases
-from fusible_ops.bench.harness import n_copies_for
+from fusible_ops.bench.harness import measure_autograd_floor, n_copies_for
 
 QUICK = ["--quick", "--no-compile", "--device", "cpu", "--warmup-ms", "1", "--rep-ms", "5"]
 
@@ -37,10 +37,16 @@ def test_quick_run_writes_rows_with_all_fields(tmp_path, capsys):
     for r in json_rows:
         assert set(FIELDS) <= set(r)
     got = {(r["case"], r["variant"]) for r in json_rows}
-    assert {("ceiling", "copy_bandwidth"), ("ceiling", "bf16_matmul")} <= got
+    assert {("ceiling", "copy_bandwidth"), ("ceiling", "bf16_matmul"), ("ceiling", "autograd_floor")} <= got
     assert {("bias_gelu", "fused"), ("bias_gelu", "eager"), ("swiglu", "fused"), ("swiglu", "eager")} <= got
     assert not any(r["variant"] == "compile" for r in json_rows)  # --no-compile
+    floor = next(r for r in json_rows if r["variant"] == "autograd_floor")
+    assert floor["metric"] == "time" and 0 < floor["p20_ms"] <= floor["median_ms"] <= floor["p80_ms"]
+    assert floor["pct_of_ceiling"] is None and floor["queue_ahead"] is False
     for r in json_rows:
+        assert r["autograd_floor_ms"] == floor["median_ms"]
+        if r is floor:
+            continue
         assert r["status"] == "ok", r
         assert r["device"] and r["torch_version"] == torch.__version__ and r["date_utc"]
         assert r["median_ms"] > 0 and r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
@@ -55,6 +61,7 @@ def test_quick_run_writes_rows_with_all_fields(tmp_path, capsys):
     assert "activation_bias_backward" in fused["rules_backward"]
     table = capsys.readouterr().out
     assert "| bias_gelu |" in table and "| median ms |" in table and "| host ms |" in table
+    assert "autograd floor" in table
 
 
 def test_missing_rule_blocks_timing(tmp_path, monkeypatch):
@@ -92,6 +99,8 @@ def test_queue_ahead_times_device_work_alone():
     assert plain.median_ms > 1.5 and plain.host_ms > 1.5  # events saw the host's 2 ms
     assert t.host_ms > 1.5 and t.median_ms < 0.5  # the device's own time: one tiny kernel
     assert queued.spin_cycles_per_ms() > 1e5  # (a GPU clock above 100 MHz)
+    floor = measure_autograd_floor(dev, queued)  # as issued even beside a queued timer: the host's time
+    assert floor.median_ms >= 0.5 * floor.host_ms > 0
     assert Timer(torch.device("cpu"), 1.0, 1.0, queue_ahead=True).queue_ahead is False
 
 

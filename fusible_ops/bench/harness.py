@@ -16,6 +16,8 @@
 * Ceilings, measured in the same run: device-to-device copy bandwidth (``dst.copy_(src)`` of
   1 GiB, bytes read + written) and the dense bf16 matmul rate (8192^3 ``torch.mm`` on random
   data). Elementwise / norm cases report % of the copy bandwidth, GEMM cases % of the matmul rate.
+  And the autograd floor (:func:`measure_autograd_floor`): the least time any row timed as
+  issued can take on this host.
 * Before timing, every variant's output and gradients are compared once with the case's
   reference (relative norm error < ``REL_ERR_TOL``), and the fused variant's plan must contain
   the case's expected rules: a broken kernel cannot post a time.
@@ -59,7 +61,7 @@ FIELDS = [
     "bytes", "flops", "gbps",
     "tflops", "ceiling", "pct_of_ceiling", "speedup_vs_eager", "speedup_vs_grouped_mm", "rel_err",
     "rules_forward", "rules_backward", "expected_rules", "first_call_s", "copy_gbps", "matmul_tflops",
-    "quick", "note",
+    "autograd_floor_ms", "quick", "note",
 ]
 
 
@@ -72,10 +74,31 @@ class Ceilings:
     matmul_timing: Timing
     copy_bytes: int
     matmul_n: int
+    floor_timing: Optional[Timing] = None  # see measure_autograd_floor
+
+    @property
+    def autograd_floor_ms(self) -> Optional[float]:
+        return None if self.floor_timing is None else self.floor_timing.median_ms
+
+
+def measure_autograd_floor(device: torch.device, timer: Timer) -> Timing:
+    """The least time a row timed as issued can take on this host: one autograd op's forward and
+    backward (``x * 1.5`` on one element, one kernel each way, ``torch.autograd.grad`` as every
+    row calls it), timed as issued (never queued ahead). A row whose device time is below it is
+    host-bound whatever implements it: its median is the host's issue time, jitter included."""
+    x = torch.ones(1, device=device, requires_grad=True)
+    dy = torch.ones(1, device=device)
+
+    def call(i):
+        torch.autograd.grad(x * 1.5, (x,), dy)
+
+    call(0)
+    return Timer(device, timer.warmup_ms, timer.rep_ms).time(call)
 
 
 def measure_ceilings(device: torch.device, timer: Timer, quick: bool = False) -> Ceilings:
-    """Copy bandwidth (GB/s, bytes read + written) and dense bf16 matmul rate (TFLOP/s)."""
+    """Copy bandwidth (GB/s, bytes read + written), dense bf16 matmul rate (TFLOP/s) and the
+    autograd floor (:func:`measure_autograd_floor`)."""
     nbytes = COPY_CEILING_BYTES if not quick else 16 * 2**20
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1.0)
     dst = torch.empty_like(src)
@@ -90,7 +113,7 @@ def measure_ceilings(device: torch.device, timer: Timer, quick: bool = False) ->
     tflops = 2 * n**3 / (t_mm.median_ms * 1e-3) / 1e12
     del a, b, c
     free_memory(device)
-    return Ceilings(copy_gbps, tflops, t_copy, t_mm, nbytes, n)
+    return Ceilings(copy_gbps, tflops, t_copy, t_mm, nbytes, n, measure_autograd_floor(device, timer))
 
 
 def pin_to_one_core(device: torch.device, enabled: bool) -> str:
@@ -166,7 +189,11 @@ def markdown_table(rows: list[dict], meta: dict) -> str:
         f"{meta['date_utc']}{' (--quick shapes)' if meta.get('quick') else ''}",
         "",
         f"Ceilings (same run): copy {meta['copy_gbps']:.0f} GB/s (read + write), "
-        f"bf16 matmul {meta['matmul_tflops']:.1f} TFLOP/s ({meta['matmul_n']}^3 torch.mm).",
+        f"bf16 matmul {meta['matmul_tflops']:.1f} TFLOP/s ({meta['matmul_n']}^3 torch.mm)"
+        + ("." if meta.get("autograd_floor_ms") is None else
+           f"; autograd floor {meta['autograd_floor_ms']:.3f} ms (one op's forward + backward as issued, "
+           "x * 1.5 on one element: no row timed as issued can be faster; a row whose device time is "
+           "below it is host-bound whatever implements it)."),
         ("Host: pinned to one CPU core (--pin). " if meta.get("pinned") else "") + (
             "Times: device time, each call queued behind a GPU spin (--queue-ahead); host ms = host time to "
             "issue one call while the device is busy (not the eager host cost: see host_overhead)."
@@ -436,10 +463,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pinned = pin_to_one_core(device, args.pin)
     _log(f"fusible_ops.bench on {device_name(device)}{pinned} (torch {tv}, triton {trv}); measuring ceilings ...")
     ceilings = measure_ceilings(device, timer, quick=args.quick)
-    _log(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.1f} TFLOP/s")
+    _log(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.1f} TFLOP/s, "
+         f"autograd floor {ceilings.autograd_floor_ms:.3f} ms")
     meta = dict(
         device=device_name(device), torch_version=tv, triton_version=trv, date_utc=now.isoformat(timespec="seconds"),
-        copy_gbps=ceilings.copy_gbps, matmul_tflops=ceilings.matmul_tflops, quick=bool(args.quick),
+        copy_gbps=ceilings.copy_gbps, matmul_tflops=ceilings.matmul_tflops,
+        autograd_floor_ms=ceilings.autograd_floor_ms, quick=bool(args.quick),
         queue_ahead=timer.queue_ahead, pinned=bool(pinned),
     )
     rows: list[dict] = []
@@ -456,6 +485,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  gbps=value if metric == "bytes" else None, tflops=value if metric == "flops" else None,
                  rules_forward=[], rules_backward=[], expected_rules=[], note="")
         rows.append(r)
+    t = ceilings.floor_timing
+    rows.append(dict({k: None for k in FIELDS}, **meta) | dict(
+        case="ceiling", config="", variant="autograd_floor", shape="[1]", dtype="float32", status="ok",
+        median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, host_ms=t.host_ms, n_iters=t.n_iters, n_copies=1,
+        queue_ahead=False, metric="time", ceiling="autograd_floor", rules_forward=[], rules_backward=[],
+        expected_rules=[], note="x * 1.5 forward + torch.autograd.grad, as issued"))
 
     ctx = BenchContext(device=device, quick=args.quick, compile=not args.no_compile)
     n_failed = 0
