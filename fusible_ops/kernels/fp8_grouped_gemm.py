@@ -49,8 +49,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .persistent import (group_rows, mainloop, mn_config, operand_descs, split_cols, tile_coords, tile_space,
-                             wgrad_config, wgrad_store, wgrad_tile)
+    from .persistent import (group_rows, mainloop, mn_config, operand_descs, tile_coords, tile_space, wgrad_config,
+                             wgrad_epilogue, wgrad_tile)
 
     @triton.jit
     def _fp8_ggemm_kernel(
@@ -199,13 +199,7 @@ if HAS_TRITON:
             acc = _wgrad_tensor_loop(acc, at_ptr, bt_ptr, r0, mg, n0, k0, offs_n, offs_k, nmask, kmask, N, K,
                                      s_at, s_bt, USE_TMA, PREC, BN, BK, BR)
             acc = acc * (tl.load(sa_ptr).to(tl.float32) * tl.load(sb_ptr).to(tl.float32))
-        o_base = out_ptr + g.to(tl.int64) * s_og
-        if ACCUMULATE and BK >= 128:  # read-modify-write in two column halves (register pressure)
-            acc0, acc1 = split_cols(acc, BN, BK)
-            wgrad_store(acc0, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
-            wgrad_store(acc1, o_base, offs_n, nmask, k0 + BK // 2, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
-        else:
-            wgrad_store(acc, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK)
+        wgrad_epilogue(acc, out_ptr, g, s_og, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BN, BK)
 
     @triton.jit
     def _wgrad_tensor_loop(acc, at_ptr, bt_ptr, r0, mg, n0, k0, offs_n, offs_k, nmask, kmask, N, K, s_at, s_bt,

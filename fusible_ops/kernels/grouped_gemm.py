@@ -27,8 +27,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .persistent import (group_rows, mainloop, mn_config, operand_descs, split_cols, tile_coords, tile_space,
-                             wgrad_config, wgrad_store, wgrad_tile)
+    from .persistent import (group_rows, mainloop, mn_config, operand_descs, tile_coords, tile_space, wgrad_config,
+                             wgrad_epilogue, wgrad_tile)
 
     @triton.jit
     def _ggemm_kernel(
@@ -98,13 +98,7 @@ if HAS_TRITON:
                 a = tl.load(dy_base + rows[None, :] * s_dym, mask=nmask[:, None] & rmask[None, :], other=0.0)
                 b = tl.load(x_base + rows[:, None] * s_xm, mask=rmask[:, None] & kmask[None, :], other=0.0)
                 acc = tl.dot(a, b, acc, input_precision=PREC)
-        o_base = out_ptr + g.to(tl.int64) * s_og
-        if ACCUMULATE and BK >= 128:  # read-modify-write in two column halves (register pressure)
-            acc0, acc1 = split_cols(acc, BN, BK)
-            wgrad_store(acc0, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
-            wgrad_store(acc1, o_base, offs_n, nmask, k0 + BK // 2, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
-        else:
-            wgrad_store(acc, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK)
+        wgrad_epilogue(acc, out_ptr, g, s_og, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BN, BK)
 
     @triton.jit
     def _group_colsum_kernel(

@@ -181,6 +181,19 @@ if HAS_TRITON:
         tl.store(o_ptrs, acc.to(o_base.dtype.element_ty), mask=omask)
 
     @triton.jit
+    def wgrad_epilogue(acc, out_ptr, g, s_og, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr):
+        """:func:`wgrad_store` of group ``g``'s [BN, BK] tile at column ``k0``; an accumulating
+        store of a wide tile goes in two column halves (register pressure of the read-modify-write)."""
+        o_base = out_ptr + g.to(tl.int64) * s_og
+        if ACCUMULATE and BK >= 128:
+            acc0, acc1 = split_cols(acc, BN, BK)
+            wgrad_store(acc0, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
+            wgrad_store(acc1, o_base, offs_n, nmask, k0 + BK // 2, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
+        else:
+            wgrad_store(acc, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK)
+
+    @triton.jit
     def _splits_valid(split_ptr, G, rows, G_P2: tl.constexpr):
         """Every one of the G split sizes >= 0 and their sum == rows (a scalar bool)."""
         gi = tl.arange(0, G_P2)
