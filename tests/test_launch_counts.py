@@ -43,7 +43,7 @@ EXPECTED = {
     "linear_bias_activation": (2, 4),
     "activation_dropout": (2, 1),
     "residual_norm": (1, 3),
-    "layernorm": (1, 3),
+    "layernorm": (1, 2),
     "swiglu": (1, 1),
     "grouped_mlp": (3, 4),
     "grouped_mlp_fc2_splits": (4, 4),

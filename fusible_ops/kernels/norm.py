@@ -40,7 +40,7 @@ from .fp8_cast import FP8_MAX_OF, fp8_epilogue_ref
 from . import norm_config as cfg
 from .launch import (TRITON_DTYPES, DirectKernel, as_rows, cast_to, cdiv, contiguous_or, geometry_cache, kernel_op,
                      num_sms, placeholder, remember)
-from .partials import partials_buffer, sum_partials
+from .partials import partials_buffer, sum_partials, sum_partials_pair
 from .norm_ref import (  # noqa: F401  (re-exported: one module to import)
     layernorm_bwd_ref,
     layernorm_fwd_ref,
@@ -382,13 +382,13 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
     mean = rstd if is_rms else contiguous_or(mean, mean)
     _BWD(grid, key, (dy2, xs2, contiguous_or(weight, xs2), mean, rstd, dxe2, dx2, dw_part, db_part, rows, n,
                      dy2.stride(0), xs2.stride(0), dxe2.stride(0), dx2.stride(0)), meta)
-    dw = sum_partials(dw_part, pdtype) if need_dweight else None
+    if need_dweight and need_db_kernel:  # both partial sums in one launch
+        dw, db = sum_partials_pair(dw_part, db_part, pdtype)
+    else:
+        dw = sum_partials(dw_part, pdtype) if need_dweight else None
+        db = sum_partials(db_part, pdtype) if need_db_kernel else None
     if db_colsum:  # fp32 accumulation, deterministic (torch reductions use no atomics)
         db = cast_to(dy2.sum(0, dtype=torch.float32), pdtype)
-    elif need_dbias:
-        db = sum_partials(db_part, pdtype)
-    else:
-        db = None
     return dx, dw, db
 
 

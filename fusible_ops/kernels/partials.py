@@ -3,7 +3,8 @@
 Kernels that reduce over rows without atomics (norm dweight/dbias, activation dbias / dscales)
 write one fp32 row of partial sums per program; this one launch adds them up in a fixed order
 (deterministic) and writes the parameter's dtype, where torch would take two (``sum`` then a
-cast). :func:`sum_partials_ref` is its pure-torch twin.
+cast); :func:`sum_partials_pair` sums two partials of one shape (a norm's dweight and dbias) in
+one launch. :func:`sum_partials_ref` / :func:`sum_partials_pair_ref` are the pure-torch twins.
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _sum_partials_kernel(PART, OUT, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-        # grid (cdiv(N, BLOCK_N),); PART [P, N] fp32 contiguous, OUT [N]
+    def _sum_partials_kernel(PART, OUT, PART2, OUT2, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+        # grid (cdiv(N, BLOCK_N), 1 or 2); PART [P, N] fp32 contiguous, OUT [N]; the programs of
+        # axis-1 index 1 sum PART2 into OUT2 instead (same P, N and dtypes: a pair in one launch)
+        if tl.program_id(1) == 1:
+            PART = PART2
+            OUT = OUT2
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
         acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
@@ -41,14 +46,30 @@ _TILES = geometry_cache()
 def sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``part.sum(0).to(dtype)`` for fp32 partials ``part`` [P, N] (contiguous, P >= 1) on a Triton
     device (launchers call this after their kernel): one launch, fixed summation order."""
-    p, n = part.shape
     part = part if part.is_contiguous() else part.contiguous()
-    out = part.new_empty(n, dtype=dtype)
+    out = part.new_empty(part.shape[1], dtype=dtype)
+    _launch_sum(part, out, part, out, 1)
+    return out
+
+
+def sum_partials_pair(part: torch.Tensor, part2: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sum_partials` of two partials of one shape (e.g. a norm's dweight and dbias), both
+    in ``dtype``, in one launch; the same values as two :func:`sum_partials` calls."""
+    if part.shape != part2.shape:
+        raise ValueError(f"sum_partials_pair: shapes {tuple(part.shape)} and {tuple(part2.shape)} differ")
+    part = part if part.is_contiguous() else part.contiguous()
+    part2 = part2 if part2.is_contiguous() else part2.contiguous()
+    out, out2 = part.new_empty(part.shape[1], dtype=dtype), part2.new_empty(part.shape[1], dtype=dtype)
+    _launch_sum(part, out, part2, out2, 2)
+    return out, out2
+
+
+def _launch_sum(part, out, part2, out2, n_parts: int) -> None:
+    p, n = part.shape
     if n:
         block_n, block_p = _tile(n, part.device)
-        _SUM((cdiv(n, block_n),), (p, n, part.dtype, dtype, part.device), (part, out, p, n),
-             {"BLOCK_P": block_p, "BLOCK_N": block_n, "num_warps": 4})
-    return out
+        _SUM((cdiv(n, block_n), n_parts), (p, n, part.dtype, out.dtype, part.device, n_parts),
+             (part, out, part2, out2, p, n), {"BLOCK_P": block_p, "BLOCK_N": block_n, "num_warps": 4})
 
 
 def _tile(n: int, device) -> tuple[int, int]:
@@ -110,4 +131,9 @@ def sum_partials_ref(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return part.sum(0, dtype=torch.float32).to(dtype)
 
 
-__all__ = ["partials_buffer", "sum_partials", "sum_partials_ref"]
+def sum_partials_pair_ref(part: torch.Tensor, part2: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch :func:`sum_partials_pair`."""
+    return sum_partials_ref(part, dtype), sum_partials_ref(part2, dtype)
+
+
+__all__ = ["partials_buffer", "sum_partials", "sum_partials_pair", "sum_partials_pair_ref", "sum_partials_ref"]

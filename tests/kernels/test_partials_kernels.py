@@ -5,7 +5,7 @@ the output dtype, against a float64 sum. Unmarked tests run on Triton's interpre
 import pytest
 import torch
 
-from fusible_ops.kernels.partials import sum_partials, sum_partials_ref
+from fusible_ops.kernels.partials import sum_partials, sum_partials_pair, sum_partials_pair_ref, sum_partials_ref
 from fusible_ops.testing import assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,6 +28,31 @@ def test_sum_partials_non_contiguous_and_empty():
     part = base[:, ::2]  # a strided view: summed as a contiguous copy
     assert_close(sum_partials(part, torch.float32), part.double().sum(0))
     assert sum_partials(torch.empty(4, 0, device=DEV), torch.bfloat16).shape == (0,)
+
+
+@pytest.mark.parametrize("p,n", [(1, 1), (7, 33), (17, 300)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_partials_pair_matches_two_sums(p, n, dtype):
+    """Two partials in one launch (a norm's dweight and dbias): each against float64, and bit for
+    bit the single sums' values (a strided second partial is summed as a contiguous copy)."""
+    g = torch.Generator().manual_seed(p * 7 + n)
+    a = torch.randn(p, n, generator=g).to(DEV)
+    b = torch.randn(p, 2 * n, generator=g).to(DEV)[:, ::2]
+    out_a, out_b = sum_partials_pair(a, b, dtype)
+    assert out_a.dtype == out_b.dtype == dtype and out_a.shape == out_b.shape == (n,)
+    assert_close(out_a, a.double().sum(0), dtype)
+    assert_close(out_b, b.double().sum(0), dtype)
+    assert torch.equal(out_a, sum_partials(a, dtype)) and torch.equal(out_b, sum_partials(b, dtype))
+    ref_a, ref_b = sum_partials_pair_ref(a, b, dtype)
+    assert_close(ref_a, a.double().sum(0), dtype)
+    assert_close(ref_b, b.double().sum(0), dtype)
+
+
+def test_sum_partials_pair_rejects_different_shapes_and_takes_empty():
+    with pytest.raises(ValueError, match="differ"):
+        sum_partials_pair(torch.zeros(2, 3, device=DEV), torch.zeros(2, 4, device=DEV), torch.float32)
+    out_a, out_b = sum_partials_pair(torch.empty(4, 0, device=DEV), torch.empty(4, 0, device=DEV), torch.bfloat16)
+    assert out_a.shape == out_b.shape == (0,)
 
 
 def test_sum_partials_is_deterministic():
