@@ -472,3 +472,23 @@ def test_linear_bias_activation_bad_bias_raises_clear_errors():
         seq[0].bias = torch.nn.Parameter(torch.zeros(3, device="meta"))
         with pytest.raises(RuntimeError, match="parameters are on meta"):
             seq(torch.randn(2, 4))
+
+
+def test_kernel_mode_is_per_thread_and_restored():
+    """``kernels.use`` / ``set_mode`` set this thread's mode only; a thread that never set one (its
+    first read included) sees the environment's; leaving ``use`` restores the previous one."""
+    import threading
+
+    from fusible_ops import kernels
+
+    base = kernels.current_mode()
+    seen = []
+    with kernels.use("reference"):
+        assert kernels.current_mode() == "reference"
+        t = threading.Thread(target=lambda: seen.append(kernels.current_mode()))
+        t.start()
+        t.join()
+        previous = kernels.set_mode("triton")
+        assert previous == "reference" and kernels.current_mode() == "triton"
+        kernels.set_mode(previous)
+    assert seen == [base] and kernels.current_mode() == base

@@ -27,7 +27,13 @@ import torch
 
 _MODES = ("auto", "triton", "reference")
 _F64 = torch.float64
-_state = threading.local()
+
+
+class _State(threading.local):
+    mode = None  # (a class default: reading it in a thread that never set it raises nothing)
+
+
+_state = _State()
 
 try:  # Triton is optional on platforms without it (macOS, Windows).
     import triton  # noqa: F401
@@ -58,7 +64,7 @@ _ENV_MODE = _env_mode()
 
 def current_mode() -> str:
     """The active dispatch mode: ``"auto"``, ``"triton"`` or ``"reference"``."""
-    return getattr(_state, "mode", None) or _ENV_MODE
+    return _state.mode or _ENV_MODE
 
 
 @contextlib.contextmanager
@@ -82,7 +88,7 @@ def set_mode(mode) -> object:
     """Set this thread's dispatch mode (``None``: back to the environment's) and return the previous
     setting, for a caller that restores it in a ``finally`` (:func:`use` without its context
     manager's host time; used on the fuser's per-call path)."""
-    previous = getattr(_state, "mode", None)
+    previous = _state.mode
     _state.mode = mode
     return previous
 
@@ -98,7 +104,7 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
     All non-None tensors must be on one device (callers check that first). float64 is the
     reference precision: it always runs the ``*_ref`` (the kernels serve fp32/fp16/bf16).
     """
-    mode = getattr(_state, "mode", None) or _ENV_MODE
+    mode = _state.mode or _ENV_MODE
     if mode == "reference":
         return False
     cuda = None
