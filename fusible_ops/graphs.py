@@ -40,7 +40,7 @@ op would read on the host).
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Union
 
 import torch
 

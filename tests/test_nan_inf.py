@@ -30,7 +30,6 @@ import fusible_ops as fo
 import fusible_ops.kernels as K
 from fusible_ops.kernels import activation as A
 from fusible_ops.kernels import dropout as D
-from fusible_ops.kernels import grouped_gemm as gg
 from fusible_ops.kernels import launch
 from fusible_ops.kernels import grouped_glu as gm
 

@@ -100,20 +100,26 @@ def measure_ceilings(device: torch.device, timer: Timer, quick: bool = False) ->
     """Copy bandwidth (GB/s, bytes read + written), dense bf16 matmul rate (TFLOP/s) and the
     autograd floor (:func:`measure_autograd_floor`)."""
     nbytes = COPY_CEILING_BYTES if not quick else 16 * 2**20
+    t_copy = _time_copy(device, timer, nbytes)
+    copy_gbps = 2 * nbytes / (t_copy.median_ms * 1e-3) / 1e9
+    n = MM_CEILING_N if not quick else 256
+    t_mm = _time_mm(device, timer, n)
+    tflops = 2 * n**3 / (t_mm.median_ms * 1e-3) / 1e12
+    free_memory(device)
+    return Ceilings(copy_gbps, tflops, t_copy, t_mm, nbytes, n, measure_autograd_floor(device, timer))
+
+
+def _time_copy(device: torch.device, timer: Timer, nbytes: int) -> Timing:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    t_copy = timer.time(lambda i: dst.copy_(src))
-    copy_gbps = 2 * nbytes / (t_copy.median_ms * 1e-3) / 1e9
-    del src, dst
-    n = MM_CEILING_N if not quick else 256
+    return timer.time(lambda i: dst.copy_(src))
+
+
+def _time_mm(device: torch.device, timer: Timer, n: int) -> Timing:
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     c = torch.empty(n, n, dtype=torch.bfloat16, device=device)
-    t_mm = timer.time(lambda i: torch.mm(a, b, out=c))
-    tflops = 2 * n**3 / (t_mm.median_ms * 1e-3) / 1e12
-    del a, b, c
-    free_memory(device)
-    return Ceilings(copy_gbps, tflops, t_copy, t_mm, nbytes, n, measure_autograd_floor(device, timer))
+    return timer.time(lambda i: torch.mm(a, b, out=c))
 
 
 def pin_to_one_core(device: torch.device, enabled: bool) -> str:

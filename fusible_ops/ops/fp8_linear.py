@@ -72,7 +72,7 @@ def fp8_backward(lin, ctx, dy: torch.Tensor):
     """``(dx, (dw,))`` of :func:`fp8_forward`."""
     recipe, x_scaling, w_scaling = ctx.fp8
     xt_data, xt_scale, wt_data, wt_scale = ctx.saved_tensors
-    n, k = lin.out_features, lin.in_features
+    n = lin.out_features
     wg = ctx.weight_grad
     if isinstance(dy, Float8Tensor):
         dyq = with_colwise(dy) if wg else dy

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from ..op import BasicOperation
 from ..quantization.casting import FP8StateMixin, quantize
 from ..quantization.recipes import current_recipe
