@@ -68,7 +68,7 @@ def _launch_sum(part, out, part2, out2, n_parts: int) -> None:
     p, n = part.shape
     if n:
         block_n, block_p = _tile(n, part.device)
-        _SUM((cdiv(n, block_n), n_parts), (p, n, part.dtype, out.dtype, part.device, n_parts),
+        _SUM((cdiv(n, block_n), n_parts), (p, n, part.dtype, out.dtype, part.device),
              (part, out, part2, out2, p, n), {"BLOCK_P": block_p, "BLOCK_N": block_n, "num_warps": 4})
 
 
