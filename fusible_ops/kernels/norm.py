@@ -17,7 +17,7 @@ Math (fp32 inside the kernels for every input dtype; results cast back):
   go to a ``[num_programs, N]`` fp32 buffer that one more kernel sums in a fixed order (and casts to
   the parameter's dtype): deterministic, no atomics.
 
-Configs (explicit, in :mod:`.norm_config`; register use checked with ptxas for
+Configs (explicit, in :mod:`.norm_config`; register use checked for
 sm_90): rows of up to ``_FWD_MAX_FUSED_N`` / ``_BWD_MAX_FUSED_N`` columns are held in registers
 (several rows per program when N is small). Forward variants: whole rows, or ``LOOP`` (wider
 rows, or rows wider than ``_FWD_NORES_MAX_FUSED_N`` without residual: statistics pass, then
@@ -56,7 +56,7 @@ if HAS_TRITON:
     from .fp8_cast import fp8_epilogue
 
     from .norm_jit import (acc_partials, affine, load_xhat, load_xsum, row_ptrs, row_sums, store_dx, store_partials,
-                           store_y)
+                           store_y, sum_pair)
 
     # ---- kernels
 
@@ -179,8 +179,13 @@ if HAS_TRITON:
                 if HAS_W and RELOAD:
                     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
                 g = dy * w[None, :] if HAS_W else dy
-                c1 = tl.sum(g * xhat, axis=1) / N
-                c2 = tl.sum(g, axis=1) / N
+                if IS_RMS:
+                    c1 = tl.sum(g * xhat, axis=1) / N
+                    c2 = c1  # (unused)
+                else:  # both row sums in one reduction (H200 LayerNorm [16384, 2048]: 100.5 -> 92.9 us)
+                    c1, c2 = sum_pair(g * xhat, g, 1)
+                    c1 = c1 / N
+                    c2 = c2 / N
                 if RELOAD:  # second load: a different cache hint keeps it from being merged with the first
                     dy, xhat = load_xhat(xs_p, dy_p, mask, mean[:, None], rstd[:, None], IS_RMS, "evict_first")
                     if HAS_W:
@@ -332,7 +337,7 @@ def _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, has_w, has_dxe):
     rows = math.prod(xsum.shape[:-1])
     if rows == 0 or n == 0:
         return remember(_GEOMETRY, key, (rows, n, None, None, 0, False, False))
-    sliced, block_m, block_n, warps = cfg._bwd_config(n, rows)
+    sliced, block_m, block_n, warps, per_sm = cfg._bwd_config(n, rows, is_rms)
     halves = not sliced and n >= cfg._BWD_HALVES_MIN_N and not is_rms
     sms = num_sms(xsum.device)
     if sliced:  # grid (slices, row programs); the slices of one row group run side by side
@@ -342,7 +347,8 @@ def _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, has_w, has_dxe):
     else:
         if halves:  # one row per program, BLOCK_N is half a row
             block_m, block_n, warps = 1, max(16, block_n // 2), cfg._BWD_HALVES_WARPS
-        nprog = min(cdiv(rows, block_m), sms * (cfg._BWD_PROGS_PER_SM or max(1, 32 // warps)))
+            per_sm = cfg._BWD_PROGS_PER_SM or max(1, cfg._BWD_WARPS_PER_SM // warps)
+        nprog = min(cdiv(rows, block_m), sms * per_sm)
         grid = (nprog,)
     db_colsum = need_dbias and not sliced and n >= cfg._BWD_DB_COLSUM_MIN_N
     meta = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DXE=has_dxe, NEED_DW=need_dweight, NEED_DB=need_dbias and not db_colsum,

@@ -1,7 +1,7 @@
 """Launch configuration of the norm kernels (:mod:`.norm`): the tunables and the config choice.
 
 Explicit and small; tests shrink the thresholds (``monkeypatch.setattr(norm_config, ...)``) to run
-the wide-row variants on small N. Register use of each config checked with ptxas for sm_90.
+the wide-row variants on small N. Register use of each config checked on sm_90.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from .launch import next_pow2
 
 _TILE = 2048  # elements per program tile when N is small (rows per program = _TILE // BLOCK_N)
-_FWD_MAX_FUSED_N = 16384  # forward: widest row held in registers as one block (32 warps)
+_FWD_MAX_FUSED_N = 16384  # forward: widest row held in registers as one block
 _FWD_NORES_MAX_FUSED_N = 8192  # forward without residual: wider rows loop (H200 16384^2: 0.39 vs 0.66 ms)
 _FWD_LOOP_BLOCK_N = 8192  # forward, wider rows: column block of the two-pass loop variant
 _BWD_MAX_FUSED_N = 16384  # backward: widest row held in registers with its dweight/dbias partials
@@ -19,7 +19,15 @@ _FWD_LOOP_WARPS = 16  # forward loop variant warps (0: BLOCK_N // 256, at least 
 _BWD_WARPS_CAP = 16  # backward: most warps per program of the fused variant
 _BWD_SLICE_WARPS = 16  # backward sliced variant: most warps per program
 _BWD_RELOAD_MIN_N = 8193  # backward fused: re-load xsum/dy for dx (H200 LayerNorm 16384^2: 0.97 vs 2.56 ms)
-_BWD_PROGS_PER_SM = 0  # backward fused: persistent programs per SM (0: 32 // num_warps)
+_BWD_PROGS_PER_SM = 0  # backward fused: persistent programs per SM (0: the warps-per-SM target // num_warps)
+# Fewer warps, more elements each (H200, [16384, N] bf16, 2026-11-26: the old 8 elements per thread
+# and 32 warps per SM -> these, device us fwd / bwd): LayerNorm N=1024 24.7 -> 20.1 / 62.1 -> 39.5,
+# 2048 42.3 -> 36.5 / 99.5 -> 68.7, 4096 87.2 -> 70.2 / 202.2 -> 129.0, 8192 180.8 -> 133.6 (fwd).
+_FWD_THREAD_ELEMS = 32  # forward fused: tile elements per thread (sets num_warps)
+_BWD_THREAD_ELEMS = 16  # backward fused: tile elements per thread (also keeps dweight/dbias partials live)
+_BWD_WARPS_PER_SM = 16  # backward fused: resident warps per SM its persistent programs aim at
+_BWD_RMS_WIDE_MIN_N = 2048  # RMSNorm backward, n >= this: 8 elements per thread, 32 warps per SM
+# (with a dxsum_extra gradient, 2048: 93.2 vs 83.1 us, 4096: 175.3 vs 157.9; without: equal)
 _BWD_HALVES_MIN_N = 8193  # LayerNorm backward, n >= this (and <= _BWD_MAX_FUSED_N): halves variant
 _BWD_HALVES_WARPS = 16  # backward halves variant: warps per program
 _BWD_DB_COLSUM_MIN_N = 8193  # n >= this: dbias is a separate fp32 column sum of dy (torch), the kernel keeps
@@ -27,18 +35,13 @@ _BWD_DB_COLSUM_MIN_N = 8193  # n >= this: dbias is a separate fp32 column sum of
 # RMSNorm keeps fused RELOAD (0.600 ms vs 0.643 ms with halves)
 
 
-def _fused_config(n: int, rows: int, fwd: bool) -> tuple[int, int, int]:
+def _fused_config(n: int, rows: int, fwd: bool, per_thread: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for whole rows held in registers, ~``_TILE`` elements per
-    program. Warps by tile size (checked with ptxas for sm_90: <= 128 registers per thread):
-    tile <= 1024: 4, 2048: 8, 4096: 16, 8192: 32 fwd / 16 bwd (16 elements per thread, which
-    still fits the bwd's dweight/dbias partials), 16384: 32."""
+    program, ``per_thread`` of them per thread (at most ``_FWD_WARPS_CAP`` / ``_BWD_WARPS_CAP``
+    warps). Register use checked on sm_90 (Triton 3.6): at most 128 per thread, no spills."""
     block_n = max(16, next_pow2(n))
     block_m = max(1, min(_TILE // block_n, next_pow2(rows)))
-    tile = block_m * block_n
-    warps = min(32, max(4, tile // 256))
-    if not fwd and tile == 8192:
-        warps = 16
-    warps = min(warps, _FWD_WARPS_CAP if fwd else _BWD_WARPS_CAP)
+    warps = max(1, min(block_m * block_n // (32 * per_thread), _FWD_WARPS_CAP if fwd else _BWD_WARPS_CAP))
     return block_m, block_n, warps
 
 
@@ -46,11 +49,15 @@ def _fwd_config(n: int, rows: int, has_res: bool = True) -> tuple[bool, int, int
     """(loop, BLOCK_M, BLOCK_N, num_warps) of the forward for rows of n columns."""
     if n > _FWD_MAX_FUSED_N or (not has_res and n > _FWD_NORES_MAX_FUSED_N):
         return True, 1, _FWD_LOOP_BLOCK_N, _FWD_LOOP_WARPS or max(4, _FWD_LOOP_BLOCK_N // 256)
-    return (False,) + _fused_config(n, rows, fwd=True)
+    return (False,) + _fused_config(n, rows, True, _FWD_THREAD_ELEMS)
 
 
-def _bwd_config(n: int, rows: int) -> tuple[bool, int, int, int]:
-    """(sliced, BLOCK_M, BLOCK_N, num_warps) of the backward for rows of n columns."""
+def _bwd_config(n: int, rows: int, is_rms: bool = False) -> tuple[bool, int, int, int, int]:
+    """(sliced, BLOCK_M, BLOCK_N, num_warps, programs per SM) of the backward for rows of n columns
+    (programs per SM: of the persistent fused variant)."""
     if n > _BWD_MAX_FUSED_N:
-        return True, 1, _BWD_SLICE_N, max(4, min(_BWD_SLICE_WARPS, _BWD_SLICE_N // 256))
-    return (False,) + _fused_config(n, rows, fwd=False)
+        return True, 1, _BWD_SLICE_N, max(4, min(_BWD_SLICE_WARPS, _BWD_SLICE_N // 256)), 0
+    wide_rms = is_rms and n >= _BWD_RMS_WIDE_MIN_N
+    block_m, block_n, warps = _fused_config(n, rows, False, 8 if wide_rms else _BWD_THREAD_ELEMS)
+    per_sm = _BWD_PROGS_PER_SM or max(1, (32 if wide_rms else _BWD_WARPS_PER_SM) // warps)
+    return False, block_m, block_n, warps, per_sm

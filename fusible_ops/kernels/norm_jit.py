@@ -51,6 +51,15 @@ if HAS_TRITON:
         return dy, (xs * rstd if NO_MEAN else tl.where(mask, (xs - mean) * rstd, 0.0))
 
     @triton.jit
+    def _add_pair(a0, b0, a1, b1):
+        return a0 + a1, b0 + b1
+
+    @triton.jit
+    def sum_pair(a, b, AXIS: tl.constexpr):
+        # (sum(a), sum(b)) along AXIS in one reduction (one shared-memory exchange for both)
+        return tl.reduce((a, b), AXIS, _add_pair)
+
+    @triton.jit
     def row_sums(xs_row, dy_row, W, cc, N, mean, rstd, c1, c2, HAS_W: tl.constexpr, EVICT: tl.constexpr):
         # (c1 + sum(g * xhat), c2 + sum(g)) over the columns cc of one row
         cm = cc < N
