@@ -337,23 +337,19 @@ def _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, has_w, has_dxe):
     rows = math.prod(xsum.shape[:-1])
     if rows == 0 or n == 0:
         return remember(_GEOMETRY, key, (rows, n, None, None, 0, False, False))
-    sliced, block_m, block_n, warps, per_sm = cfg._bwd_config(n, rows, is_rms)
-    halves = not sliced and n >= cfg._BWD_HALVES_MIN_N and not is_rms
+    variant, block_m, block_n, warps, per_sm = cfg._bwd_config(n, rows, is_rms)
+    sliced = variant == "sliced"
     sms = num_sms(xsum.device)
     if sliced:  # grid (slices, row programs); the slices of one row group run side by side
         n_slices = cdiv(n, block_n)
         nprog = min(rows, max(1, 2 * sms // n_slices))
         grid = (n_slices, nprog)
     else:
-        if halves:  # one row per program, BLOCK_N is half a row
-            block_m, block_n, warps = 1, max(16, block_n // 2), cfg._BWD_HALVES_WARPS
-            per_sm = cfg._BWD_PROGS_PER_SM or max(1, cfg._BWD_WARPS_PER_SM // warps)
         nprog = min(cdiv(rows, block_m), sms * per_sm)
         grid = (nprog,)
     db_colsum = need_dbias and not sliced and n >= cfg._BWD_DB_COLSUM_MIN_N
     meta = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DXE=has_dxe, NEED_DW=need_dweight, NEED_DB=need_dbias and not db_colsum,
-                VARIANT="sliced" if sliced else "halves" if halves else "fused",
-                BLOCK_M=block_m, BLOCK_N=block_n, RELOAD=n >= cfg._BWD_RELOAD_MIN_N, num_warps=warps)
+                VARIANT=variant, BLOCK_M=block_m, BLOCK_N=block_n, RELOAD=n >= cfg._BWD_RELOAD_MIN_N, num_warps=warps)
     return remember(_GEOMETRY, key, (rows, n, grid, meta, nprog, db_colsum, meta["NEED_DB"]))
 
 

@@ -52,12 +52,16 @@ def _fwd_config(n: int, rows: int, has_res: bool = True) -> tuple[bool, int, int
     return (False,) + _fused_config(n, rows, True, _FWD_THREAD_ELEMS)
 
 
-def _bwd_config(n: int, rows: int, is_rms: bool = False) -> tuple[bool, int, int, int, int]:
-    """(sliced, BLOCK_M, BLOCK_N, num_warps, programs per SM) of the backward for rows of n columns
-    (programs per SM: of the persistent fused variant)."""
+def _bwd_config(n: int, rows: int, is_rms: bool = False) -> tuple[str, int, int, int, int]:
+    """(variant, BLOCK_M, BLOCK_N, num_warps, programs per SM) of the backward for rows of n
+    columns: variant ``"sliced"`` (programs per SM unused), ``"halves"`` (BLOCK_N half a row) or
+    ``"fused"``."""
     if n > _BWD_MAX_FUSED_N:
-        return True, 1, _BWD_SLICE_N, max(4, min(_BWD_SLICE_WARPS, _BWD_SLICE_N // 256)), 0
+        return "sliced", 1, _BWD_SLICE_N, max(4, min(_BWD_SLICE_WARPS, _BWD_SLICE_N // 256)), 0
+    if n >= _BWD_HALVES_MIN_N and not is_rms:  # one row per program
+        warps = _BWD_HALVES_WARPS
+        return "halves", 1, max(16, next_pow2(n) // 2), warps, _BWD_PROGS_PER_SM or max(1, _BWD_WARPS_PER_SM // warps)
     wide_rms = is_rms and n >= _BWD_RMS_WIDE_MIN_N
     block_m, block_n, warps = _fused_config(n, rows, False, 8 if wide_rms else _BWD_THREAD_ELEMS)
     per_sm = _BWD_PROGS_PER_SM or max(1, (32 if wide_rms else _BWD_WARPS_PER_SM) // warps)
-    return False, block_m, block_n, warps, per_sm
+    return "fused", block_m, block_n, warps, per_sm
