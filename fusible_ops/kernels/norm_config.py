@@ -26,8 +26,9 @@ _BWD_PROGS_PER_SM = 0  # backward fused: persistent programs per SM (0: the warp
 _FWD_THREAD_ELEMS = 32  # forward fused: tile elements per thread (sets num_warps)
 _BWD_THREAD_ELEMS = 16  # backward fused: tile elements per thread (also keeps dweight/dbias partials live)
 _BWD_WARPS_PER_SM = 16  # backward fused: resident warps per SM its persistent programs aim at
-_BWD_RMS_WIDE_MIN_N = 2048  # RMSNorm backward, n >= this: 8 elements per thread, 32 warps per SM
-# (with a dxsum_extra gradient, 2048: 93.2 vs 83.1 us, 4096: 175.3 vs 157.9; without: equal)
+_BWD_RMS_WIDE_MIN_N = 2048  # RMSNorm backward, n >= this: the two below instead of the two above
+_BWD_RMS_WIDE_THREAD_ELEMS = 8  # (with a dxsum_extra gradient, 2048: 83.1 vs 93.2 us with 16/16,
+_BWD_RMS_WIDE_WARPS_PER_SM = 32  # 4096: 157.9 vs 175.3; without: equal)
 _BWD_HALVES_MIN_N = 8193  # LayerNorm backward, n >= this (and <= _BWD_MAX_FUSED_N): halves variant
 _BWD_HALVES_WARPS = 16  # backward halves variant: warps per program
 _BWD_DB_COLSUM_MIN_N = 8193  # n >= this: dbias is a separate fp32 column sum of dy (torch), the kernel keeps
@@ -62,6 +63,7 @@ def _bwd_config(n: int, rows: int, is_rms: bool = False) -> tuple[str, int, int,
         warps = _BWD_HALVES_WARPS
         return "halves", 1, max(16, next_pow2(n) // 2), warps, _BWD_PROGS_PER_SM or max(1, _BWD_WARPS_PER_SM // warps)
     wide_rms = is_rms and n >= _BWD_RMS_WIDE_MIN_N
-    block_m, block_n, warps = _fused_config(n, rows, False, 8 if wide_rms else _BWD_THREAD_ELEMS)
-    per_sm = _BWD_PROGS_PER_SM or max(1, (32 if wide_rms else _BWD_WARPS_PER_SM) // warps)
+    per_thread = _BWD_RMS_WIDE_THREAD_ELEMS if wide_rms else _BWD_THREAD_ELEMS
+    block_m, block_n, warps = _fused_config(n, rows, False, per_thread)
+    per_sm = _BWD_PROGS_PER_SM or max(1, (_BWD_RMS_WIDE_WARPS_PER_SM if wide_rms else _BWD_WARPS_PER_SM) // warps)
     return "fused", block_m, block_n, warps, per_sm
