@@ -337,7 +337,7 @@ def _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, has_w, has_dxe):
     rows = math.prod(xsum.shape[:-1])
     if rows == 0 or n == 0:
         return remember(_GEOMETRY, key, (rows, n, None, None, 0, False, False))
-    variant, block_m, block_n, warps, per_sm = cfg._bwd_config(n, rows, is_rms)
+    variant, block_m, block_n, warps, per_sm = cfg._bwd_config(n, rows, is_rms, has_dxe)
     sliced = variant == "sliced"
     sms = num_sms(xsum.device)
     if sliced:  # grid (slices, row programs); the slices of one row group run side by side

@@ -26,9 +26,15 @@ _BWD_PROGS_PER_SM = 0  # backward fused: persistent programs per SM (0: the warp
 _FWD_THREAD_ELEMS = 32  # forward fused: tile elements per thread (sets num_warps)
 _BWD_THREAD_ELEMS = 16  # backward fused: tile elements per thread (also keeps dweight/dbias partials live)
 _BWD_WARPS_PER_SM = 16  # backward fused: resident warps per SM its persistent programs aim at
-_BWD_RMS_WIDE_MIN_N = 2048  # RMSNorm backward, n >= this: the two below instead of the two above
-_BWD_RMS_WIDE_THREAD_ELEMS = 8  # (with a dxsum_extra gradient, 2048: 83.1 vs 93.2 us with 16/16,
-_BWD_RMS_WIDE_WARPS_PER_SM = 32  # 4096: 157.9 vs 175.3; without: equal)
+# RMSNorm's backward is faster otherwise with the residual's extra gradient (dxsum_extra) and
+# about equal without it (H200, [16384, N] bf16, 2026-11-26 07:58, device us with / without):
+_BWD_RMS_WIDE_MIN_N = 1025  # RMSNorm backward, n >= this: the two below instead of the two above
+_BWD_RMS_WIDE_THREAD_ELEMS = 8  # (1536: 73.4 vs 83.2 / 56.6 vs 55.7 with 16/16; 2048: 84.4 vs 94.8
+_BWD_RMS_WIDE_WARPS_PER_SM = 32  # / 65.4 vs 65.5; 4096: 159.1 vs 178.0 / 122.7 vs 122.9)
+_BWD_RMS_DXE_MIN_N = 4097  # RMSNorm backward with dxsum_extra, this <= n <= _BWD_RMS_DXE_MAX_N: the
+_BWD_RMS_DXE_MAX_N = 8192  # two below (5120: 264.2 vs 298.3 us with 8/32, 7168: 305.7 vs 339.6,
+_BWD_RMS_DXE_THREAD_ELEMS = 32  # 8192: 326.9 vs 359.8; without dxsum_extra they are 1-3% slower
+_BWD_RMS_DXE_WARPS_PER_SM = 8  # than 8/32, which that case keeps)
 _BWD_HALVES_MIN_N = 8193  # LayerNorm backward, n >= this (and <= _BWD_MAX_FUSED_N): halves variant
 _BWD_HALVES_WARPS = 16  # backward halves variant: warps per program
 _BWD_DB_COLSUM_MIN_N = 8193  # n >= this: dbias is a separate fp32 column sum of dy (torch), the kernel keeps
@@ -53,17 +59,20 @@ def _fwd_config(n: int, rows: int, has_res: bool = True) -> tuple[bool, int, int
     return (False,) + _fused_config(n, rows, True, _FWD_THREAD_ELEMS)
 
 
-def _bwd_config(n: int, rows: int, is_rms: bool = False) -> tuple[str, int, int, int, int]:
+def _bwd_config(n: int, rows: int, is_rms: bool = False, has_dxe: bool = False) -> tuple[str, int, int, int, int]:
     """(variant, BLOCK_M, BLOCK_N, num_warps, programs per SM) of the backward for rows of n
-    columns: variant ``"sliced"`` (programs per SM unused), ``"halves"`` (BLOCK_N half a row) or
-    ``"fused"``."""
+    columns (``has_dxe``: with a ``dxsum_extra`` gradient): variant ``"sliced"`` (programs per SM
+    unused), ``"halves"`` (BLOCK_N half a row) or ``"fused"``."""
     if n > _BWD_MAX_FUSED_N:
         return "sliced", 1, _BWD_SLICE_N, max(4, min(_BWD_SLICE_WARPS, _BWD_SLICE_N // 256)), 0
     if n >= _BWD_HALVES_MIN_N and not is_rms:  # one row per program
         warps = _BWD_HALVES_WARPS
         return "halves", 1, max(16, next_pow2(n) // 2), warps, _BWD_PROGS_PER_SM or max(1, _BWD_WARPS_PER_SM // warps)
-    wide_rms = is_rms and n >= _BWD_RMS_WIDE_MIN_N
-    per_thread = _BWD_RMS_WIDE_THREAD_ELEMS if wide_rms else _BWD_THREAD_ELEMS
+    if is_rms and has_dxe and _BWD_RMS_DXE_MIN_N <= n <= _BWD_RMS_DXE_MAX_N:
+        per_thread, warps_per_sm = _BWD_RMS_DXE_THREAD_ELEMS, _BWD_RMS_DXE_WARPS_PER_SM
+    elif is_rms and n >= _BWD_RMS_WIDE_MIN_N:
+        per_thread, warps_per_sm = _BWD_RMS_WIDE_THREAD_ELEMS, _BWD_RMS_WIDE_WARPS_PER_SM
+    else:
+        per_thread, warps_per_sm = _BWD_THREAD_ELEMS, _BWD_WARPS_PER_SM
     block_m, block_n, warps = _fused_config(n, rows, False, per_thread)
-    per_sm = _BWD_PROGS_PER_SM or max(1, (_BWD_RMS_WIDE_WARPS_PER_SM if wide_rms else _BWD_WARPS_PER_SM) // warps)
-    return "fused", block_m, block_n, warps, per_sm
+    return "fused", block_m, block_n, warps, _BWD_PROGS_PER_SM or max(1, warps_per_sm // warps)
