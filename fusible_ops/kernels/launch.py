@@ -157,6 +157,19 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x2
 
 
+def row_align(n: int, *tensors: Optional[torch.Tensor], most: int = 16) -> int:
+    """The largest power of two, at most ``most``, that divides ``n`` and every stride but the last
+    of each tensor (None skipped): whatever rows :func:`as_rows` makes of them (a view, or a
+    contiguous copy of row stride ``n``) start a multiple of it apart. Kernels that know it (see
+    ``norm_jit.aligned``) can use 16-byte accesses on rows whose length is a multiple of 8 but not
+    of 16, which Triton's own specialization (multiples of 16) leaves scalar."""
+    a = most
+    for v in (n, *[s for t in tensors if t is not None for s in t.stride()[:-1]]):
+        while a > 1 and v % a:
+            a //= 2
+    return a
+
+
 def cast_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``, or ``t`` itself when it has that dtype (a no-op ``.to`` still costs host
     time)."""
@@ -527,7 +540,7 @@ class TunedKernel:
         return remember(self._ready, sig, (grid(cfg.kwargs), meta))
 
 
-__all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "RECORDER", "TRITON_DTYPES", "DirectKernel", "TunedKernel", "arg_classes", "as_rows",
+__all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "RECORDER", "TRITON_DTYPES", "DirectKernel", "TunedKernel", "arg_classes", "as_rows", "row_align",
            "cast_to", "cdiv", "clear_geometry_caches", "compute_dtype", "contiguous_or", "dot_precision", "elementwise_config", "generic_key",
            "geometry_cache",
            "kernel_op", "needs_int64", "next_pow2", "num_sms", "placeholder", "remember"]

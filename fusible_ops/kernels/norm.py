@@ -22,9 +22,9 @@ sm_90): rows of up to ``_FWD_MAX_FUSED_N`` / ``_BWD_MAX_FUSED_N`` columns are he
 (several rows per program when N is small). Forward variants: whole rows, or ``LOOP`` (wider
 rows, or rows wider than ``_FWD_NORES_MAX_FUSED_N`` without residual: statistics pass, then
 output pass). Backward variants (``VARIANT``): ``"fused"`` (rows >= ``_BWD_RELOAD_MIN_N`` re-load
-xsum/dy for dx, ``RELOAD``), ``"halves"`` (LayerNorm, rows >= ``_BWD_HALVES_MIN_N``: half a row
-at a time; dbias then a separate fp32 column sum of dy) and ``"sliced"`` (wider rows: column
-slices x row programs). Inputs need a unit stride on the last dim (else copied); outputs are
+xsum/dy for dx, ``RELOAD``; rows >= ``_BWD_DB_COLSUM_MIN_N``: dbias a separate fp32 column sum
+of dy) and ``"sliced"`` (wider rows: column slices x row programs). Row lengths and strides that
+are multiples of 8 but not 16 reach the kernels as such (``ALIGN``, :func:`~.launch.row_align`). Inputs need a unit stride on the last dim (else copied); outputs are
 fresh and contiguous.
 """
 
@@ -39,7 +39,7 @@ from . import HAS_TRITON, interpreter_enabled, use_triton
 from .fp8_cast import FP8_MAX_OF, fp8_epilogue_ref
 from . import norm_config as cfg
 from .launch import (TRITON_DTYPES, DirectKernel, as_rows, cast_to, cdiv, contiguous_or, geometry_cache, kernel_op,
-                     num_sms, placeholder, remember)
+                     num_sms, placeholder, remember, row_align)
 from .partials import partials_buffer, sum_partials, sum_partials_pair
 from .norm_ref import (  # noqa: F401  (re-exported: one module to import)
     layernorm_bwd_ref,
@@ -55,7 +55,7 @@ if HAS_TRITON:
 
     from .fp8_cast import fp8_epilogue
 
-    from .norm_jit import (acc_partials, affine, load_xhat, load_xsum, row_ptrs, row_sums, store_dx, store_partials,
+    from .norm_jit import (acc_partials, affine, aligned, load_xhat, load_xsum, row_ptrs, row_sums, store_dx, store_partials,
                            store_y, sum_pair)
 
     # ---- kernels
@@ -70,8 +70,13 @@ if HAS_TRITON:
         Q, QSCALE, AMAX,  # FP8 output (see fp8_cast.fp8_epilogue; OUT_MODE 0: unused)
         IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
         LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        OUT_MODE: tl.constexpr, FMAX: tl.constexpr, SOFT_ROUND: tl.constexpr,
+        OUT_MODE: tl.constexpr, FMAX: tl.constexpr, SOFT_ROUND: tl.constexpr, ALIGN: tl.constexpr,
     ):
+        N = aligned(N, ALIGN)  # (N and the row strides are multiples of ALIGN: row_align)
+        stride_x = aligned(stride_x, ALIGN)
+        stride_r = aligned(stride_r, ALIGN)
+        stride_xs = aligned(stride_xs, ALIGN)
+        stride_y = aligned(stride_y, ALIGN)
         if not LOOP:
             # One [BLOCK_M, BLOCK_N] tile per program: BLOCK_M whole rows (BLOCK_N >= N).
             rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -148,7 +153,13 @@ if HAS_TRITON:
         IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DXE: tl.constexpr,
         NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
         VARIANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RELOAD: tl.constexpr,
+        ALIGN: tl.constexpr,
     ):
+        N = aligned(N, ALIGN)  # (as in the forward)
+        stride_dy = aligned(stride_dy, ALIGN)
+        stride_xs = aligned(stride_xs, ALIGN)
+        stride_dxe = aligned(stride_dxe, ALIGN)
+        stride_dx = aligned(stride_dx, ALIGN)
         if VARIANT == "fused":
             # Persistent: program pid walks [BLOCK_M, BLOCK_N] row tiles pid, pid + P, ... and keeps
             # its dweight/dbias partials in registers, written once at the end (every program owns
@@ -196,45 +207,6 @@ if HAS_TRITON:
                 dw_acc, db_acc = acc_partials(dw_acc, db_acc, dy, xhat, NEED_DW, NEED_DB)
             part = pid.to(tl.int64) * N + cols
             store_partials(DW_PART, DB_PART, part, dw_acc, db_acc, col_mask, NEED_DW, NEED_DB, True)
-        elif VARIANT == "halves":
-            # Persistent, one row at a time, N <= 2 * BLOCK_N (BLOCK_N is half a row): the row sums
-            # come from both halves (values die), then each half is re-loaded (L1/L2 hit) for dx and
-            # its own partials, so only the partials plus one half's loads are live (fewer registers
-            # than the fused RELOAD).
-            pid = tl.program_id(0)
-            nprog = tl.num_programs(0)
-            c0 = tl.arange(0, BLOCK_N)
-            c1s = BLOCK_N + c0
-            m0 = c0 < N
-            m1 = c1s < N
-            dw0 = tl.zeros([BLOCK_N], dtype=tl.float32)
-            dw1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-            db0 = tl.zeros([BLOCK_N], dtype=tl.float32)
-            db1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for row in range(pid, n_rows, nprog):
-                row64, xs_r, dy_r, mean, rstd = row_ptrs(DY, XS, MEAN, RSTD, row, stride_dy, stride_xs, IS_RMS)
-                c1 = 0.0
-                c2 = 0.0
-                for h in tl.static_range(2):
-                    c1, c2 = row_sums(xs_r, dy_r, W, c0 + h * BLOCK_N, N, mean, rstd, c1, c2, HAS_W, "evict_last")
-                c1 = c1 / N
-                c2 = c2 / N
-                for h in tl.static_range(2):
-                    cc = c0 + h * BLOCK_N
-                    cm = cc < N
-                    dy_c, xhat_c = load_xhat(xs_r + cc, dy_r + cc, cm, mean, rstd, False, "evict_first")
-                    if HAS_W:
-                        g_c = dy_c * tl.load(W + cc, mask=cm, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                    else:
-                        g_c = dy_c
-                    store_dx(g_c, xhat_c, c1, c2, rstd, DXE, DX, row64, cc, cm, stride_dxe, stride_dx, IS_RMS, HAS_DXE)
-                    if h == 0:
-                        dw0, db0 = acc_partials(dw0, db0, dy_c, xhat_c, NEED_DW, NEED_DB)
-                    else:
-                        dw1, db1 = acc_partials(dw1, db1, dy_c, xhat_c, NEED_DW, NEED_DB)
-            part = pid.to(tl.int64) * N
-            store_partials(DW_PART, DB_PART, part + c0, dw0, db0, m0, NEED_DW, NEED_DB, False)
-            store_partials(DW_PART, DB_PART, part + c1s, dw1, db1, m1, NEED_DW, NEED_DB, False)
         else:  # "sliced"
             # Wide rows (N > BLOCK_N): grid (num_slices, num_row_programs). Program (s, p) walks rows
             # p, p + P, ...; per row it sums g*xhat and g over the WHOLE row in BLOCK_N chunks (the
@@ -296,7 +268,8 @@ def _fwd_geometry(key, x, weight, bias, residual, is_rms, fp8):
     loop, block_m, block_n, warps = cfg._fwd_config(n, rows, residual is not None)
     meta = dict(IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
                 LOOP=loop, BLOCK_M=block_m, BLOCK_N=block_n, OUT_MODE=fp8[0],
-                FMAX=FP8_MAX_OF.get(fp8[1], 448.0), SOFT_ROUND=interpreter_enabled(), num_warps=warps)
+                FMAX=FP8_MAX_OF.get(fp8[1], 448.0), SOFT_ROUND=interpreter_enabled(), ALIGN=row_align(n, x, residual),
+                num_warps=warps)
     return remember(_GEOMETRY, key, (rows, n, (cdiv(rows, block_m),), meta))
 
 
@@ -332,7 +305,8 @@ def _norm_fwd_launch(x, weight, bias, eps, residual, is_rms, fp8=_PLAIN, qscale=
     return y, mean, rstd, xsum
 
 
-def _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, has_w, has_dxe):
+def _bwd_geometry(key, dy, xsum, is_rms, need_dweight, need_dbias, has_w, dxsum_extra):
+    has_dxe = dxsum_extra is not None
     n = xsum.shape[-1]
     rows = math.prod(xsum.shape[:-1])
     if rows == 0 or n == 0:
@@ -349,7 +323,8 @@ def _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, has_w, has_dxe):
         grid = (nprog,)
     db_colsum = need_dbias and not sliced and n >= cfg._BWD_DB_COLSUM_MIN_N
     meta = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DXE=has_dxe, NEED_DW=need_dweight, NEED_DB=need_dbias and not db_colsum,
-                VARIANT=variant, BLOCK_M=block_m, BLOCK_N=block_n, RELOAD=n >= cfg._BWD_RELOAD_MIN_N, num_warps=warps)
+                VARIANT=variant, BLOCK_M=block_m, BLOCK_N=block_n, RELOAD=n >= cfg._BWD_RELOAD_MIN_N,
+                ALIGN=row_align(n, dy, xsum, dxsum_extra), num_warps=warps)
     return remember(_GEOMETRY, key, (rows, n, grid, meta, nprog, db_colsum, meta["NEED_DB"]))
 
 
@@ -366,8 +341,8 @@ def _norm_bwd_launch(dy, xsum, weight, mean, rstd, need_dweight, need_dbias, dxs
     need_dbias = bool(need_dbias)
     key = ("bwd", dy.stride(), xsum.shape, xsum.stride(), xsum.dtype, dy.dtype, xsum.device, _meta_of(weight),
            None if dxsum_extra is None else (dxsum_extra.stride(), dxsum_extra.dtype), is_rms, need_dweight, need_dbias)
-    geo = _GEOMETRY.get(key) or _bwd_geometry(key, xsum, is_rms, need_dweight, need_dbias, weight is not None,
-                                              dxsum_extra is not None)
+    geo = _GEOMETRY.get(key) or _bwd_geometry(key, dy, xsum, is_rms, need_dweight, need_dbias, weight is not None,
+                                              dxsum_extra)
     rows, n, grid, meta, nprog, db_colsum, need_db_kernel = geo
     dx = torch.empty_like(xsum, memory_format=torch.contiguous_format)
     if grid is None:

@@ -28,24 +28,27 @@ _BWD_THREAD_ELEMS = 16  # backward fused: tile elements per thread (also keeps d
 _BWD_WARPS_PER_SM = 16  # backward fused: resident warps per SM its persistent programs aim at
 # RMSNorm's backward is faster otherwise with the residual's extra gradient (dxsum_extra) and
 # about equal without it (H200, [16384, N] bf16, 2026-11-26 07:58, device us with / without):
-_BWD_RMS_WIDE_MIN_N = 1025  # RMSNorm backward, n >= this: the two below instead of the two above
+_BWD_RMS_WIDE_MIN_N = 1025  # RMSNorm backward, this <= n <= _BWD_RMS_WIDE_MAX_N: the two below instead
+_BWD_RMS_WIDE_MAX_N = 4096  # of the two above (which are within 1.2% of them at 4097-8192 columns and,
+# one program per SM where these run two, 2-4% faster at 8193-16384: 16384 x 16384 441.6 vs 450.3 us)
 _BWD_RMS_WIDE_THREAD_ELEMS = 8  # (1536: 73.4 vs 83.2 / 56.6 vs 55.7 with 16/16; 2048: 84.4 vs 94.8
 _BWD_RMS_WIDE_WARPS_PER_SM = 32  # / 65.4 vs 65.5; 4096: 159.1 vs 178.0 / 122.7 vs 122.9)
 _BWD_RMS_DXE_MIN_N = 4097  # RMSNorm backward with dxsum_extra, this <= n <= _BWD_RMS_DXE_MAX_N: the
 _BWD_RMS_DXE_MAX_N = 8192  # two below (5120: 264.2 vs 298.3 us with 8/32, 7168: 305.7 vs 339.6,
 _BWD_RMS_DXE_THREAD_ELEMS = 32  # 8192: 326.9 vs 359.8; without dxsum_extra they are 1-3% slower
-_BWD_RMS_DXE_WARPS_PER_SM = 8  # than 8/32, which that case keeps)
-_BWD_HALVES_MIN_N = 8193  # LayerNorm backward, n >= this (and <= _BWD_MAX_FUSED_N): halves variant
-_BWD_HALVES_WARPS = 16  # backward halves variant: warps per program
+_BWD_RMS_DXE_WARPS_PER_SM = 8  # than 8/32 and 16/16)
 _BWD_DB_COLSUM_MIN_N = 8193  # n >= this: dbias is a separate fp32 column sum of dy (torch), the kernel keeps
-# only dweight partials live. H200 LayerNorm bwd 16384^2: fused RELOAD 0.983 ms -> colsum + halves 0.816 ms;
-# RMSNorm keeps fused RELOAD (0.600 ms vs 0.643 ms with halves)
+# only dweight partials live (H200 LayerNorm bwd 8192 x 16384: 325 us, 345 with dbias partials). A
+# "halves" variant (half a row at a time) served LayerNorm at 8193-16384 columns until 2026-11-26: the
+# fused one with these configs beat it by 11-17% (16384 x 8200 / 12288 / 16384: 500 / 551 / 615 us
+# against 560 / 665 / 725) and it was removed.
 
 
 def _fused_config(n: int, rows: int, fwd: bool, per_thread: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for whole rows held in registers, ~``_TILE`` elements per
     program, ``per_thread`` of them per thread (at most ``_FWD_WARPS_CAP`` / ``_BWD_WARPS_CAP``
-    warps). Register use checked on sm_90 (Triton 3.6): at most 128 per thread, no spills."""
+    warps). Register use checked on sm_90 (Triton 3.6): no spills; at most 128 per thread but for
+    RMSNorm's dxsum_extra config at 4097-8192 columns (213)."""
     block_n = max(16, next_pow2(n))
     block_m = max(1, min(_TILE // block_n, next_pow2(rows)))
     warps = max(1, min(block_m * block_n // (32 * per_thread), _FWD_WARPS_CAP if fwd else _BWD_WARPS_CAP))
@@ -62,15 +65,12 @@ def _fwd_config(n: int, rows: int, has_res: bool = True) -> tuple[bool, int, int
 def _bwd_config(n: int, rows: int, is_rms: bool = False, has_dxe: bool = False) -> tuple[str, int, int, int, int]:
     """(variant, BLOCK_M, BLOCK_N, num_warps, programs per SM) of the backward for rows of n
     columns (``has_dxe``: with a ``dxsum_extra`` gradient): variant ``"sliced"`` (programs per SM
-    unused), ``"halves"`` (BLOCK_N half a row) or ``"fused"``."""
+    unused) or ``"fused"``."""
     if n > _BWD_MAX_FUSED_N:
         return "sliced", 1, _BWD_SLICE_N, max(4, min(_BWD_SLICE_WARPS, _BWD_SLICE_N // 256)), 0
-    if n >= _BWD_HALVES_MIN_N and not is_rms:  # one row per program
-        warps = _BWD_HALVES_WARPS
-        return "halves", 1, max(16, next_pow2(n) // 2), warps, _BWD_PROGS_PER_SM or max(1, _BWD_WARPS_PER_SM // warps)
     if is_rms and has_dxe and _BWD_RMS_DXE_MIN_N <= n <= _BWD_RMS_DXE_MAX_N:
         per_thread, warps_per_sm = _BWD_RMS_DXE_THREAD_ELEMS, _BWD_RMS_DXE_WARPS_PER_SM
-    elif is_rms and n >= _BWD_RMS_WIDE_MIN_N:
+    elif is_rms and _BWD_RMS_WIDE_MIN_N <= n <= _BWD_RMS_WIDE_MAX_N:
         per_thread, warps_per_sm = _BWD_RMS_WIDE_THREAD_ELEMS, _BWD_RMS_WIDE_WARPS_PER_SM
     else:
         per_thread, warps_per_sm = _BWD_THREAD_ELEMS, _BWD_WARPS_PER_SM

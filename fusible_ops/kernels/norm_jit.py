@@ -11,6 +11,12 @@ if HAS_TRITON:
     # cols as [1, BLOCK_N]; one-row code passes a scalar row and a [BLOCK_N] vector of columns.
 
     @triton.jit
+    def aligned(v, ALIGN: tl.constexpr):
+        # v, a multiple of ALIGN (launch.row_align), as a value the compiler knows to be one: rows
+        # of 8 * k columns (k odd) then get 16-byte loads and stores instead of scalar ones
+        return v // ALIGN * ALIGN
+
+    @triton.jit
     def load_xsum(X, R, XS, rows, cols, mask, stride_x, stride_r, stride_xs,
                    HAS_RES: tl.constexpr, STORE: tl.constexpr):
         # fp32 x[rows, cols], plus the residual rounded to XS's dtype (the norm reads the rounded
