@@ -27,7 +27,7 @@ _FWD_THREAD_ELEMS = 32  # forward fused: tile elements per thread (sets num_warp
 _BWD_THREAD_ELEMS = 16  # backward fused: tile elements per thread (also keeps dweight/dbias partials live)
 _BWD_WARPS_PER_SM = 16  # backward fused: resident warps per SM its persistent programs aim at
 # RMSNorm's backward is faster otherwise with the residual's extra gradient (dxsum_extra) and
-# about equal without it (H200, [16384, N] bf16, 2026-11-26 07:58, device us with / without):
+# about equal without it (H200, [16384, N] bf16, 2026-11-26 07:57, device us with / without):
 _BWD_RMS_WIDE_MIN_N = 1025  # RMSNorm backward, this <= n <= _BWD_RMS_WIDE_MAX_N: the two below instead
 _BWD_RMS_WIDE_MAX_N = 4096  # of the two above (which are within 1.2% of them at 4097-8192 columns and,
 # one program per SM where these run two, 2-4% faster at 8193-16384: 16384 x 16384 441.6 vs 450.3 us)
