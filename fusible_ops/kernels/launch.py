@@ -540,7 +540,7 @@ class TunedKernel:
         return remember(self._ready, sig, (grid(cfg.kwargs), meta))
 
 
-__all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "RECORDER", "TRITON_DTYPES", "DirectKernel", "TunedKernel", "arg_classes", "as_rows", "row_align",
+__all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "RECORDER", "TRITON_DTYPES", "DirectKernel", "TunedKernel", "arg_classes", "as_rows",
            "cast_to", "cdiv", "clear_geometry_caches", "compute_dtype", "contiguous_or", "dot_precision", "elementwise_config", "generic_key",
            "geometry_cache",
-           "kernel_op", "needs_int64", "next_pow2", "num_sms", "placeholder", "remember"]
+           "kernel_op", "needs_int64", "next_pow2", "num_sms", "placeholder", "remember", "row_align"]
