@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 import torch.nn.functional as F
 
 import fusible_ops.kernels as K
 from fusible_ops.kernels import norm as N
 from fusible_ops.kernels import norm_config as NC
-from fusible_ops.kernels.launch import row_align
+from fusible_ops.kernels.launch import as_rows, row_align
 from fusible_ops.testing import assert_close, assert_close_norm
 
 EPS = 1e-5
@@ -303,6 +305,30 @@ def test_gpu_matches_float64(shape, dtype, rms):
     for backend in ("auto", "reference"):
         _check_norm(shape, dtype, pdtype, True, True, True, True, "rows", rms=rms, backend=backend, device="cuda")
         _check_norm(shape, dtype, None, False, False, True, False, "cols", rms=rms, backend=backend, device="cuda")
+
+
+@given(lead=st.lists(st.integers(1, 5), min_size=0, max_size=3), n=st.integers(1, 80),
+       pad=st.integers(0, 24), layout=st.sampled_from(["contiguous", "padded", "transposed", "expanded"]))
+def test_row_align_divides_what_the_kernels_index_with(lead, n, pad, layout):
+    """launch.row_align(n, t) divides n and the row stride of every row view as_rows makes of t (the
+    kernels rewrite N and the row strides as multiples of it: a wrong value would be a misaligned
+    vector access on the GPU, which the interpreter cannot show)."""
+    if layout == "padded":
+        t = torch.empty(*lead, n + pad)[..., :n]
+    elif layout == "transposed" and len(lead) >= 2:
+        t = torch.empty(lead[1], lead[0], *lead[2:], n + pad)[..., :n].transpose(0, 1)
+    elif layout == "expanded" and lead:
+        t = torch.empty(1, *lead[1:], n + pad)[..., :n].expand(*lead, n)
+    else:
+        t = torch.empty(*lead, n)
+    a = row_align(n, t)
+    assert a in (1, 2, 4, 8, 16) and n % a == 0
+    rows = as_rows(t)
+    assert rows.shape == (t.numel() // n, n) and rows.stride(0) % a == 0
+    if t.dim() <= 1 or t.shape[:-1].numel() <= 1:
+        return
+    if n % 16 == 0 and all(s % 16 == 0 for s in t.stride()[:-1]):
+        assert a == 16
 
 
 @pytest.mark.gpu
