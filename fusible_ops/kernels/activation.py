@@ -8,9 +8,9 @@ one table, :mod:`fusible_ops.kernels.act_table`; gated kinds ``swiglu`` / ``gegl
 
 * dropout (optional): ``y = dropout(act(z))`` with the mask contract of
   :mod:`fusible_ops.kernels.dropout` applied to y's contiguous ``[rows, cols]`` view
-  (counter ``r * ceil(cols / 4) + c // 4``, component ``c % 4`` of ``tl.rand4x``), key = seed;
+  (counter ``r * ceil(cols / 8) + c // 8``, 16-bit half ``c % 8`` of ``tl.randint4x``), key = seed;
   every kernel gets it from the shared ``keep_tile`` helper (column tiles start at multiples
-  of a power-of-two ``BLOCK_C >= 4``).
+  of a power-of-two ``BLOCK_C >= 8``).
 
 NaN / Inf: both paths give what torch's activations (and dropout) give, forward and backward;
 the table is in :mod:`fusible_ops.kernels.activation_ref`, which holds the pure-torch ``*_ref``
@@ -40,7 +40,7 @@ from fusible_ops.kernels.activation_ref import (  # noqa: F401  (re-exported: on
     scaled_swiglu_bwd_ref,
     scaled_swiglu_fwd_ref,
 )
-from fusible_ops.kernels.dropout import keep_scale, kernel_seed
+from fusible_ops.kernels.dropout import drop_threshold, keep_scale, kernel_seed
 from fusible_ops.kernels.fp8_cast import FP8_MAX_OF, fp8_epilogue_ref
 from fusible_ops.kernels.partials import partials_buffer, sum_partials
 from fusible_ops.kernels.launch import (MIN_BLOCK_C, DirectKernel, as_rows, cdiv, contiguous_or, elementwise_config,
@@ -64,7 +64,7 @@ if HAS_TRITON:
         n_rows,
         n_out,
         stride_xr,
-        p,  # fp32 drop probability
+        drop_t,  # fp32 dropout.drop_threshold(p)
         scale,  # fp32 1 / (1 - p)
         SEED,  # [1] int64 dropout seed (read on the device) or dummy
         Q, QSCALE, AMAX,  # FP8 output (OUT_MODE 2), fp32 [1] scale, fp32 [1] amax
@@ -98,7 +98,7 @@ if HAS_TRITON:
                 b += tl.load(B + n_out + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             y = y * b
         if DROPOUT:  # a product (like torch's dropout): NaN/Inf stay NaN where dropped
-            keep = keep_tile(tl.load(SEED), rows, col0, n_out, p, BLOCK_R, BLOCK_C, OFF64)
+            keep = keep_tile(tl.load(SEED), rows, col0, n_out, drop_t, BLOCK_R, BLOCK_C, OFF64)
             y = y * tl.where(keep, scale, 0.0)
         if HAS_SCALES:
             y = y * tl.load(S + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
@@ -118,7 +118,7 @@ if HAS_TRITON:
         stride_dyr,
         stride_xr,
         rows_per_prog,  # multiple of BLOCK_R
-        p,
+        drop_t,
         scale,
         SEED,  # [1] int64 dropout seed or dummy
         AMAX,  # fp32 [1]: raised to max|dx| (HAS_AMAX: an FP8 cast of dx follows, it needs no reduction)
@@ -163,7 +163,7 @@ if HAS_TRITON:
             else:
                 g = dy
             if DROPOUT:
-                m = tl.where(keep_tile(seed, rows, col0, n_out, p, BLOCK_R, BLOCK_C, OFF64), scale, 0.0)
+                m = tl.where(keep_tile(seed, rows, col0, n_out, drop_t, BLOCK_R, BLOCK_C, OFF64), scale, 0.0)
                 g = g * m
             x_ptrs = X + rows64[:, None] * stride_xr + cols[None, :]
             a = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -278,7 +278,8 @@ def _act_fwd_launch(x, bias, scales, kind, dropout_p, seed, fp8=_PLAIN, qscale=N
         bias_c = contiguous_or(bias, x2)
         scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
         outs = (x2, y, qscale, amax) if mode == 2 else (y, y, x2, amax if mode == 1 else x2)
-        _FWD(grid, key, (x2, bias_c, scales_c, outs[0], x2.shape[0], out_shape[-1], x2.stride(0), float(dropout_p),
+        _FWD(grid, key, (x2, bias_c, scales_c, outs[0], x2.shape[0], out_shape[-1], x2.stride(0),
+                         float(drop_threshold(dropout_p)),
                          keep_scale(dropout_p), seed if drop else x2, *outs[1:]), meta)
     return y
 
@@ -297,7 +298,7 @@ def _bwd_geometry(key, dy, x, bias, scales, kind, need_dbias, need_dscales, drop
                          f"{(*x.shape[:-1], n_out)}")
     if x.numel() == 0:
         return _remember(key, (None,) * 8 + (n_in,))
-    block_c = max(MIN_BLOCK_C, min(next_pow2(n_out), _BWD_MAX_BLOCK_C))  # >= 4: keep_tile
+    block_c = max(MIN_BLOCK_C, min(next_pow2(n_out), _BWD_MAX_BLOCK_C))  # >= 8: keep_tile
     block_r = max(1, min(next_pow2(n_rows), _BWD_TILE // block_c))
     num_warps = 8 if block_r * block_c >= 2048 else 4
     n_col_blocks = cdiv(n_out, block_c)
@@ -351,7 +352,7 @@ def _act_bwd_launch(dy, x, bias, scales, kind, need_dbias, need_dscales, dropout
     bias_c = contiguous_or(bias, x2)
     scales_c = scales.reshape(-1).contiguous() if scales is not None else x2
     _BWD(grid, key, (dy2, x2, bias_c, scales_c, dx, dbp, dsp, n_rows, n_out, dy2.stride(0), x2.stride(0),
-                     rows_per_prog, float(dropout_p), keep_scale(dropout_p), seed if drop else x2,
+                     rows_per_prog, float(drop_threshold(dropout_p)), keep_scale(dropout_p), seed if drop else x2,
                      amax if amax is not None else x2), meta)
     dbias = dscales = None
     if need_dbias:

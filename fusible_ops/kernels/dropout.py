@@ -1,24 +1,27 @@
 """Counter-based dropout: the keep mask is regenerated from ``(seed, p)``, never stored.
 
-Mask definition (shared by every kernel family that fuses dropout; one Philox call per 4
+Mask definition (shared by every kernel family that fuses dropout; one Philox call per 8
 elements):
 
 * View the tensor the mask applies to as contiguous row-major ``[rows, cols]`` (cols = the
-  last dim; a 0-dim tensor is ``[1, 1]``) and let ``C4 = ceil(cols / 4)``.
-* Element ``(r, c)`` uses the counter ``r * C4 + c // 4`` and takes component ``c % 4`` of
-  ``tl.rand4x(seed, counter)`` -- Triton's Philox 4x32 with 10 rounds, key = the 64-bit
-  seed's 32-bit words ``(lo, hi)`` (``hi = 0`` for the seeds ``Dropout`` draws),
-  counter ``(counter_lo, counter_hi, 0, 0)``, each of the 4 output words turned into a
-  float32 in ``[0, 1)`` by ``uint_to_uniform_float``.
-* ``keep = u >= float32(p)``; ``y = x * m`` with ``m = float32(1 / (1 - p))`` where kept and
-  ``0`` where dropped: a multiplication, like ``torch.nn.functional.dropout``, so a NaN or
-  +-Inf input stays NaN even where dropped (``inf * 0``); ``p == 1`` multiplies by 0.
-* Counters are int32 when ``rows * C4 < 2**31``, else int64 (same values either way).
+  last dim; a 0-dim tensor is ``[1, 1]``) and let ``C8 = ceil(cols / 8)``.
+* Element ``(r, c)`` uses the counter ``r * C8 + c // 8``: ``tl.randint4x(seed, counter)`` --
+  Triton's Philox 4x32 with 10 rounds, key = the 64-bit seed's 32-bit words ``(lo, hi)``
+  (``hi = 0`` for the seeds ``Dropout`` draws), counter ``(counter_lo, counter_hi, 0, 0)`` --
+  gives 4 words ``w0..w3``, and the element takes the 16-bit half ``k = c % 8`` of them: the low
+  half of word ``k // 2`` for even ``k``, the high half for odd ``k``.
+* ``keep = half >= t`` with ``t = drop_threshold(p)`` (``p * 2**16`` rounded half up): the drop
+  probability is ``p`` rounded to a multiple of ``2**-16`` (so ``p < 2**-17`` drops nothing). 16-bit
+  decisions need half the Philox work of 32-bit uniforms, which dominated the fused passes.
+* ``y = x * m`` with ``m = float32(1 / (1 - p))`` where kept and ``0`` where dropped: a
+  multiplication, like ``torch.nn.functional.dropout``, so a NaN or +-Inf input stays NaN even
+  where dropped (``inf * 0``); ``p == 1`` multiplies by 0.
+* Counters are int32 when ``rows * C8 < 2**31``, else int64 (same values either way).
 
 Kernels get the mask of a ``[BLOCK_R, BLOCK_C]`` tile from :func:`keep_tile` (the tile's
-first column must be a multiple of ``BLOCK_C``, a power of two ``>= 4``). The ``*_ref`` path
+first column must be a multiple of ``BLOCK_C``, a power of two ``>= 8``). The ``*_ref`` path
 re-implements that Philox stream in pure torch (int64 arithmetic with 32-bit masking,
-:func:`philox_rand4_ref`), so CPU references and GPU kernels draw bit-identical masks.
+:func:`philox4_ref`), so CPU references and GPU kernels draw bit-identical masks.
 
 Seeds are **tensors**: one int64 element on the data's device (``Dropout`` draws it with
 ``torch.randint`` from that device's default generator, so CUDA-graph replays draw new seeds and
@@ -49,28 +52,31 @@ if HAS_TRITON:
         rows,  # [BLOCK_R] row indices (int32 or int64) in the [n_rows, n_cols] view
         col_block_start,  # first column of the tile: a multiple of BLOCK_C
         n_cols,  # cols of the view the mask applies to
-        p,  # fp32 drop probability
+        drop_t,  # fp32 holding the integer drop_threshold(p), in [0, 2**16]
         BLOCK_R: tl.constexpr,
-        BLOCK_C: tl.constexpr,  # power of two >= 4
-        OFF64: tl.constexpr,  # int64 counters (n_rows * ceil(n_cols / 4) >= 2**31)
+        BLOCK_C: tl.constexpr,  # power of two >= 8
+        OFF64: tl.constexpr,  # int64 counters (n_rows * ceil(n_cols / 8) >= 2**31)
     ):
-        """[BLOCK_R, BLOCK_C] keep mask of the module's mask contract (one Philox per 4 columns).
+        """[BLOCK_R, BLOCK_C] keep mask of the module's mask contract (one Philox per 8 columns).
 
         Out-of-range rows / columns get arbitrary values: callers mask their loads and stores.
         """
-        tl.static_assert(BLOCK_C >= 4, "dropout tiles need BLOCK_C >= 4")
-        c4 = (n_cols + 3) // 4
-        q = col_block_start // 4 + tl.arange(0, BLOCK_C // 4)
+        tl.static_assert(BLOCK_C >= 8, "dropout tiles need BLOCK_C >= 8")
+        c8 = (n_cols + 7) // 8
+        q = col_block_start // 8 + tl.arange(0, BLOCK_C // 8)
         if OFF64:
-            cnt = rows.to(tl.int64)[:, None] * c4 + q.to(tl.int64)[None, :]
+            cnt = rows.to(tl.int64)[:, None] * c8 + q.to(tl.int64)[None, :]
         else:
-            cnt = rows.to(tl.int32)[:, None] * c4 + q[None, :]
-        u0, u1, u2, u3 = tl.rand4x(seed, cnt)
-        # join(x, y) appends a minor dim of size 2 ([..., 0] = x, [..., 1] = y), so
-        # join(join(u0, u2), join(u1, u3))[i, j, a, b] = u_{2a+b}[i, j]; the row-major reshape
-        # puts it at column 4 j + 2 a + b, i.e. component c % 4 of counter c // 4.
-        u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (BLOCK_R, BLOCK_C))
-        return u >= p
+            cnt = rows.to(tl.int32)[:, None] * c8 + q[None, :]
+        w0, w1, w2, w3 = tl.randint4x(seed, cnt)
+        # join(x, y) appends a minor dim of size 2 ([..., 0] = x, [..., 1] = y), so in
+        # join(join(join(h0, h4), join(h2, h6)), join(join(h1, h5), join(h3, h7)))[i, j, a, b, c]
+        # = h_{4a+2b+c}[i, j] the row-major reshape puts half k = 4a + 2b + c of counter j at
+        # column 8 j + k (h_k: the low half of word k // 2 for even k, the high half for odd k)
+        lo = tl.join(tl.join(w0 & 0xFFFF, w2 & 0xFFFF), tl.join(w1 & 0xFFFF, w3 & 0xFFFF))
+        hi = tl.join(tl.join(w0 >> 16, w2 >> 16), tl.join(w1 >> 16, w3 >> 16))
+        h = tl.reshape(tl.join(lo, hi), (BLOCK_R, BLOCK_C)).to(tl.int32, bitcast=True)
+        return h >= tl.cast(drop_t, tl.int32)
 
     @triton.jit
     def _dropout_kernel(
@@ -79,12 +85,12 @@ if HAS_TRITON:
         n_rows,
         n_cols,
         stride_xr,
-        p,  # fp32 drop probability
+        drop_t,  # fp32 drop_threshold(p)
         scale,  # fp32 1 / (1 - p)
         SEED,  # [1] int64 Philox key, read on the device
         BLOCK_R: tl.constexpr,
-        BLOCK_C: tl.constexpr,  # power of two >= 4
-        OFF64: tl.constexpr,  # int64 RNG counters (n_rows * ceil(n_cols / 4) >= 2**31)
+        BLOCK_C: tl.constexpr,  # power of two >= 8
+        OFF64: tl.constexpr,  # int64 RNG counters (n_rows * ceil(n_cols / 8) >= 2**31)
     ):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         col0 = tl.program_id(1) * BLOCK_C
@@ -92,7 +98,7 @@ if HAS_TRITON:
         mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
         rows64 = rows.to(tl.int64)
         x = tl.load(X + rows64[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0)
-        keep = keep_tile(tl.load(SEED), rows, col0, n_cols, p, BLOCK_R, BLOCK_C, OFF64)
+        keep = keep_tile(tl.load(SEED), rows, col0, n_cols, drop_t, BLOCK_R, BLOCK_C, OFF64)
         y = x.to(tl.float32) * tl.where(keep, scale, 0.0)  # a product: NaN/Inf stay NaN where dropped
         tl.store(Y + rows64[:, None] * n_cols + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
@@ -148,6 +154,12 @@ def kernel_seed(p: float, seed: Optional[Seed], device) -> Optional[torch.Tensor
     return seed_tensor(seed, device) if p > 0.0 else None
 
 
+def drop_threshold(p: float) -> int:
+    """The mask contract's ``t``: a 16-bit half ``h`` is kept when ``h >= t``; ``p * 2**16``
+    rounded half up (``2**16`` for ``p == 1``: everything is dropped)."""
+    return min(1 << 16, int(p * 65536.0 + 0.5))
+
+
 def keep_scale(p: float) -> float:
     """Scale applied to kept values (0.0 when p == 1: everything is dropped)."""
     return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
@@ -169,7 +181,8 @@ def _dropout_launch(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tens
         return y
     grid, meta = geo
     x2 = as_rows(x)
-    _DROPOUT(grid, key, (x2, y, x2.shape[0], x2.shape[1], x2.stride(0), float(p), keep_scale(p), seed), meta)
+    _DROPOUT(grid, key, (x2, y, x2.shape[0], x2.shape[1], x2.stride(0), float(drop_threshold(p)), keep_scale(p), seed),
+             meta)
     return y
 
 
@@ -234,7 +247,7 @@ _PHILOX_KEY_B = 0xBB67AE85
 _PHILOX_ROUND_A = 0xD2511F53
 _PHILOX_ROUND_B = 0xCD9E8D57
 _UINT_TO_FLOAT_SCALE = 4.6566127342e-10  # triton.language.random.uint_to_uniform_float (32-bit)
-_CHUNK = 1 << 21  # counters per chunk in the torch Philox (bounds int64 temporaries)
+_CHUNK = 1 << 20  # counters per chunk in the torch Philox (bounds int64 temporaries)
 
 
 def _mulhilo32(a: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,14 +276,14 @@ def _key_words(seed: Seed, device):
     return int(seed) & _M32, (int(seed) >> 32) & _M32
 
 
-def philox_rand4_ref(counters: torch.Tensor, seed: Seed) -> tuple[torch.Tensor, ...]:
-    """Pure-torch twin of ``tl.rand4x(seed, counters)``: 4 float32 tensors of uniforms in ``[0, 1)``.
+def philox4_ref(counters: torch.Tensor, seed: Seed) -> tuple[torch.Tensor, ...]:
+    """Pure-torch twin of ``tl.randint4x(seed, counters)``: its 4 uint32 words, in int64 tensors.
 
     counters: integer tensor of non-negative counters (< 2**63), any shape and device.
     seed: an integer tensor with one element (any device; used with tensor ops only, so this
-    traces under ``torch.compile``) or a Python int. Returns ``(u0, u1, u2, u3)``, each of
-    counters' shape: the 4 output words of Triton's Philox 4x32-10 (key ``(seed lo, seed hi)``,
-    counter ``(lo, hi, 0, 0)``) through ``uint_to_uniform_float``; bit-identical to Triton.
+    traces under ``torch.compile``) or a Python int. Returns ``(w0, w1, w2, w3)``, each of
+    counters' shape: Triton's Philox 4x32-10 (key ``(seed lo, seed hi)``, counter
+    ``(lo, hi, 0, 0)``); bit-identical to Triton.
     """
     off = counters.to(torch.int64)
     c0 = off & _M32
@@ -284,9 +297,16 @@ def philox_rand4_ref(counters: torch.Tensor, seed: Seed) -> tuple[torch.Tensor, 
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0 = (k0 + _PHILOX_KEY_A) & _M32
         k1 = (k1 + _PHILOX_KEY_B) & _M32
-    scale = torch.tensor(_UINT_TO_FLOAT_SCALE, dtype=torch.float32, device=off.device)
+    return c0, c1, c2, c3
+
+
+def philox_rand4_ref(counters: torch.Tensor, seed: Seed) -> tuple[torch.Tensor, ...]:
+    """Pure-torch twin of ``tl.rand4x(seed, counters)``: 4 float32 tensors of uniforms in ``[0, 1)``,
+    the words of :func:`philox4_ref` through ``uint_to_uniform_float``; bit-identical to Triton."""
+    words = philox4_ref(counters, seed)
+    scale = torch.tensor(_UINT_TO_FLOAT_SCALE, dtype=torch.float32, device=words[0].device)
     # uint_to_uniform_float: bitcast uint32 -> int32, then x < 0 -> ~x; i.e. c ^ M32 for c >= 2**31
-    return tuple(torch.where(c >= 2**31, c ^ _M32, c).to(torch.float32) * scale for c in (c0, c1, c2, c3))
+    return tuple(torch.where(c >= 2**31, c ^ _M32, c).to(torch.float32) * scale for c in words)
 
 
 def philox_rand_ref(offsets: torch.Tensor, seed: Seed) -> torch.Tensor:
@@ -309,17 +329,19 @@ def _rows_cols(shape) -> tuple[int, int]:
     return (numel // cols if cols else 0), cols
 
 
-def _keep4(start: int, end: int, p32: torch.Tensor, seed: Seed, device) -> torch.Tensor:
-    """[end - start, 4] keep bits of counters start..end-1 (component k in column k)."""
+def _keep8(start: int, end: int, t: int, seed: Seed, device) -> torch.Tensor:
+    """[end - start, 8] keep bits of counters start..end-1 (16-bit half k in column k)."""
     cnt = torch.arange(start, end, dtype=torch.int64, device=device)
-    return torch.stack(philox_rand4_ref(cnt, seed), -1) >= p32
+    halves = [h for w in philox4_ref(cnt, seed) for h in (w & 0xFFFF, w >> 16)]
+    return torch.stack(halves, -1) >= t
 
 
 def dropout_keep_mask(shape, p: float, seed: Optional[Seed], device) -> torch.Tensor:
     """The keep mask (bool tensor of ``shape`` on ``device``) used by every dropout kernel.
 
-    With ``[rows, cols]`` the contiguous view of ``shape`` and ``C4 = ceil(cols / 4)``:
-    ``keep[r, c] = philox_rand4_ref(r * C4 + c // 4, seed)[c % 4] >= float32(p)``.
+    With ``[rows, cols]`` the contiguous view of ``shape``, ``C8 = ceil(cols / 8)``, ``k = c % 8``
+    and ``w = philox4_ref(r * C8 + c // 8, seed)[k // 2]``:
+    ``keep[r, c] = (w >> (16 * (k % 2))) & 0xFFFF >= drop_threshold(p)``.
     All True for ``p == 0``, all False for ``p == 1``. seed: as for :func:`dropout_fwd` (a
     tensor seed is read with tensor ops only: no host sync, traceable by ``torch.compile``).
     """
@@ -330,17 +352,17 @@ def dropout_keep_mask(shape, p: float, seed: Optional[Seed], device) -> torch.Te
     if p >= 1.0:
         return torch.zeros(shape, dtype=torch.bool, device=device)
     rows, cols = _rows_cols(shape)
-    c4 = (cols + 3) // 4
-    n_cnt = rows * c4
-    p32 = torch.tensor(p, dtype=torch.float32, device=device)
+    c8 = (cols + 7) // 8
+    n_cnt = rows * c8
+    t = drop_threshold(p)
     if torch.compiler.is_compiling() or n_cnt <= _CHUNK:  # one pass (a traced graph has no loop)
-        keep4 = _keep4(0, n_cnt, p32, seed, device)
+        keep8 = _keep8(0, n_cnt, t, seed, device)
     else:  # eager and large: chunks bound the int64 temporaries
-        keep4 = torch.empty((n_cnt, 4), dtype=torch.bool, device=device)  # [counter, component]
+        keep8 = torch.empty((n_cnt, 8), dtype=torch.bool, device=device)  # [counter, half]
         for start in range(0, n_cnt, _CHUNK):
             end = min(start + _CHUNK, n_cnt)
-            keep4[start:end] = _keep4(start, end, p32, seed, device)
-    return keep4.reshape(rows, 4 * c4)[:, :cols].reshape(shape)
+            keep8[start:end] = _keep8(start, end, t, seed, device)
+    return keep8.reshape(rows, 8 * c8)[:, :cols].reshape(shape)
 
 
 def _apply_mask_ref(x: torch.Tensor, p: float, seed: Seed) -> torch.Tensor:
@@ -375,7 +397,9 @@ __all__ = [
     "dropout_fwd",
     "dropout_fwd_ref",
     "dropout_keep_mask",
+    "drop_threshold",
     "keep_scale",
+    "philox4_ref",
     "philox_rand4_ref",
     "philox_rand_ref",
     "seed_tensor",

@@ -133,7 +133,7 @@ def next_pow2(n: int) -> int:
 
 
 # ----------------------------------------------------------------------------- elementwise tiling
-MIN_BLOCK_C = 4
+MIN_BLOCK_C = 8
 """Smallest column tile of elementwise passes (dropout masks draw 4 columns per Philox call)."""
 EW_MAX_BLOCK_C = 1024  # tile caps of elementwise passes (tests shrink them to get many programs)
 EW_TILE = 4096
@@ -184,7 +184,7 @@ def contiguous_or(t: Optional[torch.Tensor], dummy: torch.Tensor) -> torch.Tenso
 
 def needs_int64(n_rows: int, n_cols: int) -> bool:
     """Whether the dropout-mask counters of an ``[n_rows, n_cols]`` view need int64."""
-    return n_rows * ((n_cols + 3) // 4) >= INT64_MIN_COUNTERS
+    return n_rows * ((n_cols + 7) // 8) >= INT64_MIN_COUNTERS
 
 
 def elementwise_config(n_rows: int, n_cols: int) -> tuple[int, int, int]:

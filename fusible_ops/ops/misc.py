@@ -83,8 +83,9 @@ class ConstantScale(BasicOperation):
 class Dropout(BasicOperation):
     """Dropout with probability ``p`` in training mode (identity in eval mode or with ``p == 0``).
 
-    The mask comes from a counter-based RNG (Philox keyed by a seed, counter = element index), so
-    backward regenerates it instead of storing it. The seed is a **tensor**: one int64 element
+    The mask comes from a counter-based RNG (Philox keyed by a seed, one counter per 8 elements,
+    16-bit keep decisions: the drop probability is ``p`` rounded to a multiple of ``2**-16``; see
+    :mod:`fusible_ops.kernels.dropout`), so backward regenerates it instead of storing it. The seed is a **tensor**: one int64 element
     drawn at each forward with ``torch.randint`` on the input's device from that device's default
     generator (no host sync). So under CUDA-graph capture every replay draws a new seed and a new
     mask (the generator's offset advances on the device), and ``torch.compile`` traces the draw

@@ -53,7 +53,20 @@ def _rand4_seed_ptr_kernel(OFFS, OUT, n, SEED, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _keep_tile_kernel(ROWS, OUT, n_rows, n_cols, p, seed, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+def _randint4_kernel(OFFS, OUT, n, seed, BLOCK: tl.constexpr):
+    # OFFS [n] int32 or int64 counters; OUT [4, n] int64 (the 4 uint32 words of tl.randint4x)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    offs = tl.load(OFFS + i, mask=m, other=0)
+    w0, w1, w2, w3 = tl.randint4x(seed, offs)
+    tl.store(OUT + i, w0.to(tl.int64), mask=m)
+    tl.store(OUT + n + i, w1.to(tl.int64), mask=m)
+    tl.store(OUT + 2 * n + i, w2.to(tl.int64), mask=m)
+    tl.store(OUT + 3 * n + i, w3.to(tl.int64), mask=m)
+
+
+@triton.jit
+def _keep_tile_kernel(ROWS, OUT, n_rows, n_cols, drop_t, seed, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                       OFF64: tl.constexpr):
     # ROWS [n_rows] int64 row indices (may be huge: counters with a non-zero high word);
     # OUT [n_rows, n_cols] int8 keep mask of those rows from D.keep_tile
@@ -62,7 +75,7 @@ def _keep_tile_kernel(ROWS, OUT, n_rows, n_cols, p, seed, BLOCK_R: tl.constexpr,
     cols = col0 + tl.arange(0, BLOCK_C)
     rm = i < n_rows
     rows = tl.load(ROWS + i, mask=rm, other=0)
-    keep = D.keep_tile(seed, rows, col0, n_cols, p, BLOCK_R, BLOCK_C, OFF64)
+    keep = D.keep_tile(seed, rows, col0, n_cols, drop_t, BLOCK_R, BLOCK_C, OFF64)
     m = rm[:, None] & (cols < n_cols)[None, :]
     tl.store(OUT + i[:, None] * n_cols + cols[None, :], keep.to(tl.int8), mask=m)
 
@@ -82,16 +95,28 @@ def counters(request, monkeypatch):
     return request.param
 
 
+def _threshold(p):
+    """The contract's drop threshold, spelled out: p * 2**16 rounded half up."""
+    return min(65536, int(p * 65536 + 0.5))
+
+
+def _halves(counters, seed):
+    """[8, *counters.shape]: 16-bit half k of the Philox words of each counter (the low half of
+    word k // 2 for even k, the high half for odd k)."""
+    words = D.philox4_ref(counters, seed)
+    return torch.stack([(words[k // 2] >> (16 * (k % 2))) & 0xFFFF for k in range(8)], 0)
+
+
 def _mask_formula(shape, p, seed):
-    """The mask contract spelled out: [rows, cols] view, counter r * C4 + c // 4, word c % 4."""
+    """The mask contract spelled out: [rows, cols] view, counter r * C8 + c // 8, half c % 8."""
     cols = shape[-1] if len(shape) else 1
     rows = (torch.Size(shape).numel() // cols) if cols else 0
-    c4 = (cols + 3) // 4
+    c8 = (cols + 7) // 8
     r = torch.arange(rows)[:, None]
     c = torch.arange(cols)[None, :]
-    u = torch.stack(D.philox_rand4_ref(r * c4 + c // 4, seed), 0)  # [4, rows, cols]
-    u = torch.gather(u, 0, (c % 4).expand(rows, cols)[None])[0]
-    return (u >= torch.tensor(p, dtype=torch.float32)).reshape(shape)
+    h = _halves(r * c8 + c // 8, seed)  # [8, rows, cols]
+    h = torch.gather(h, 0, (c % 8).expand(rows, cols)[None])[0]
+    return (h >= _threshold(p)).reshape(shape)
 
 
 def _make(shape, dtype, layout, device="cpu", seed=0):
@@ -177,6 +202,36 @@ def test_philox_rand4_ref_bit_identical_to_tl_rand4x(offs_dtype):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
+def test_philox4_ref_bit_identical_to_tl_randint4x(offs_dtype):
+    """The words the masks use: philox4_ref == tl.randint4x, and the uniforms are these words."""
+    offs = torch.cat([torch.arange(0, 200), torch.tensor([2**31 - 1, 123456789, 7])]).to(offs_dtype)
+    if offs_dtype == torch.int64:  # counters with a non-zero high word
+        offs = torch.cat([offs, torch.tensor([2**32, 2**32 + 5, 3 * 2**33 + 17, 2**40 - 1])])
+    n = offs.numel()
+    for seed in (0, 424242, 2**31 - 1):
+        out = torch.empty(4, n, dtype=torch.int64)
+        with K.use("triton"):
+            _randint4_kernel[(triton.cdiv(n, 128),)](offs, out, n, seed, BLOCK=128)
+        words = D.philox4_ref(offs, seed)
+        for k in range(4):
+            assert words[k].dtype == torch.int64 and ((words[k] >= 0) & (words[k] < 2**32)).all()
+            assert torch.equal(out[k] & 0xFFFFFFFF, words[k]), f"seed={seed} word={k}"
+            u = torch.where(words[k] >= 2**31, words[k] ^ 0xFFFFFFFF, words[k]).float() * 4.6566127342e-10
+            assert torch.equal(u, D.philox_rand4_ref(offs, seed)[k])
+
+
+def test_drop_threshold():
+    """p * 2**16 rounded half up: the drop probability is a multiple of 2**-16."""
+    assert [D.drop_threshold(p) for p in (0.0, 0.1, 0.25, 0.5, 0.9, 1.0)] == [0, 6554, 16384, 32768, 58982, 65536]
+    assert D.drop_threshold(2**-17) == 1 and D.drop_threshold(2**-17 - 2**-30) == 0
+    assert D.drop_threshold(1 - 2**-17) == 65536 and D.drop_threshold(1 - 2**-16) == 65535
+    # p below 2**-17 drops nothing; above 1 - 2**-17, everything
+    assert D.dropout_keep_mask((64, 64), 2**-18, S(1), "cpu").all()
+    assert not D.dropout_keep_mask((64, 64), 1 - 2**-18, S(1), "cpu").any()
+
+
+@pytest.mark.interpreter
 def test_philox_ref_int64_seed_from_pointer_bit_identical():
     """Kernels read the seed as int64 from memory: the key is its (lo, hi) words, and the ref
     matches for any int64 value (beyond 2**31 and negative too), so no range check is needed."""
@@ -194,21 +249,21 @@ def test_philox_ref_int64_seed_from_pointer_bit_identical():
 def test_keep_tile_int64_counters_with_high_word():
     """_keep_tile on rows whose counters exceed 2**32 (int64 path) matches the ref contract."""
     n_cols, p, seed = 13, 0.45, 77
-    c4 = (n_cols + 3) // 4
-    rows = torch.tensor([0, 1, 2**31 // c4 + 3, 2**33 + 5, 2**40 + 1])
+    c8 = (n_cols + 7) // 8
+    rows = torch.tensor([0, 1, 2**31 // c8 + 3, 2**33 + 5, 2**40 + 1])
     out = torch.empty(rows.numel(), n_cols, dtype=torch.int8)
     with K.use("triton"):
         _keep_tile_kernel[(triton.cdiv(rows.numel(), 4), triton.cdiv(n_cols, 8))](
-            rows, out, rows.numel(), n_cols, p, seed, BLOCK_R=4, BLOCK_C=8, OFF64=True)
+            rows, out, rows.numel(), n_cols, float(D.drop_threshold(p)), seed, BLOCK_R=4, BLOCK_C=8, OFF64=True)
     c = torch.arange(n_cols)[None, :]
-    u = torch.stack(D.philox_rand4_ref(rows[:, None] * c4 + c // 4, seed), 0)
-    u = torch.gather(u, 0, (c % 4).expand(rows.numel(), n_cols)[None])[0]
-    assert torch.equal(out.bool(), u >= torch.tensor(p, dtype=torch.float32))
+    h = _halves(rows[:, None] * c8 + c // 8, seed)
+    h = torch.gather(h, 0, (c % 8).expand(rows.numel(), n_cols)[None])[0]
+    assert torch.equal(out.bool(), h >= _threshold(p))
 
 
 @pytest.mark.parametrize("tiles", ["default", "small"])
 def test_triton_mask_bit_exact_odd_shapes(tiles, counters, monkeypatch):
-    """The Triton kernel's mask equals the ref mask exactly, incl. cols not a multiple of 4."""
+    """The Triton kernel's mask equals the ref mask exactly, incl. cols not a multiple of 8."""
     shapes = [(3, 5), (7, 33), (1, 1), (5, 1026), (2, 3, 6), (9,), ()]
     if tiles == "small":  # many programs per dim (small widths: the interpreter is slow)
         monkeypatch.setattr(launch, "EW_MAX_BLOCK_C", 8)
@@ -240,19 +295,19 @@ def test_dropout_default_tiles_and_scalar():
 
 
 def test_mask_contract_rows_cols_view():
-    """keep[r, c] = rand4x(r * ceil(cols / 4) + c // 4)[c % 4] >= p on the [rows, cols] view."""
+    """keep[r, c] = half c % 8 of randint4x(r * ceil(cols / 8) + c // 8) >= t on the [rows, cols] view."""
     keep = D.dropout_keep_mask((6, 10), 0.4, S(9), "cpu")
     assert torch.equal(keep, _mask_formula((6, 10), 0.4, 9))
     # only the [rows, cols] view matters: leading dims flatten into rows
     assert torch.equal(D.dropout_keep_mask((2, 3, 10), 0.4, S(9), "cpu").reshape(6, 10), keep)
-    # cols a multiple of 4: the mask is the flat stream of 4-word blocks
-    u = torch.stack(D.philox_rand4_ref(torch.arange(12), 9), -1).flatten()
-    keep8 = D.dropout_keep_mask((6, 8), 0.4, S(9), "cpu")
-    assert torch.equal(keep8.flatten(), u >= torch.tensor(0.4, dtype=torch.float32))
-    # cols not a multiple of 4: each row starts a new counter (last words unused)
+    # cols a multiple of 8: the mask is the flat stream of 8-half blocks (w0 lo, w0 hi, w1 lo, ...)
+    w = D.philox4_ref(torch.arange(12), 9)
+    h = torch.stack([w[k // 2] >> 16 if k % 2 else w[k // 2] & 0xFFFF for k in range(8)], -1).flatten()
+    keep16 = D.dropout_keep_mask((6, 16), 0.4, S(9), "cpu")
+    assert torch.equal(keep16.flatten(), h >= 26214)
+    # cols not a multiple of 8: each row starts a new counter (last halves unused)
     keep5 = D.dropout_keep_mask((3, 5), 0.4, S(9), "cpu")
-    u = torch.stack(D.philox_rand4_ref(torch.arange(6), 9), -1).reshape(3, 8)[:, :5]
-    assert torch.equal(keep5, u >= torch.tensor(0.4, dtype=torch.float32))
+    assert torch.equal(keep5, (h >= 26214).reshape(12, 8)[:3, :5])
     assert D.dropout_keep_mask((0, 5), 0.4, S(9), "cpu").shape == (0, 5)
     assert D.dropout_keep_mask((4, 0), 0.4, S(9), "cpu").shape == (4, 0)
     assert D.dropout_keep_mask((), 0.4, S(9), "cpu").shape == ()
@@ -395,6 +450,10 @@ def test_gpu_mask_bit_identical_and_fraction():
     _rand4_kernel[(triton.cdiv(offs.numel(), 1024),)](offs, out4, offs.numel(), 99, BLOCK=1024)
     for k, ref in enumerate(D.philox_rand4_ref(offs, 99)):
         assert torch.equal(out4[k].view(torch.int32), ref.view(torch.int32)), k
+    w4 = torch.empty(4, offs.numel(), dtype=torch.int64, device="cuda")
+    _randint4_kernel[(triton.cdiv(offs.numel(), 1024),)](offs, w4, offs.numel(), 99, BLOCK=1024)
+    for k, ref in enumerate(D.philox4_ref(offs, 99)):
+        assert torch.equal(w4[k] & 0xFFFFFFFF, ref), k
 
 
 @pytest.mark.gpu
@@ -409,13 +468,14 @@ def test_gpu_mask_odd_shapes_both_counter_widths(monkeypatch):
             keep = D.dropout_keep_mask(shape, 0.3, S(40 + i), "cpu")
             assert torch.equal((y != 0).cpu(), keep), (shape, off64)
             assert torch.equal((dx != 0).cpu(), keep), (shape, off64)
-    rows = torch.tensor([0, 1, 2**31 // 4 + 3, 2**33 + 5, 2**40 + 1], device="cuda")
+    rows = torch.tensor([0, 1, 2**31 // 2 + 3, 2**33 + 5, 2**40 + 1], device="cuda")
     out = torch.empty(rows.numel(), 13, dtype=torch.int8, device="cuda")
-    _keep_tile_kernel[(2, 2)](rows, out, rows.numel(), 13, 0.45, 77, BLOCK_R=4, BLOCK_C=8, OFF64=True)
+    _keep_tile_kernel[(2, 2)](rows, out, rows.numel(), 13, float(D.drop_threshold(0.45)), 77, BLOCK_R=4, BLOCK_C=8,
+                              OFF64=True)
     c = torch.arange(13)[None, :]
-    u = torch.stack(D.philox_rand4_ref(rows.cpu()[:, None] * 4 + c // 4, 77), 0)
-    u = torch.gather(u, 0, (c % 4).expand(rows.numel(), 13)[None])[0]
-    assert torch.equal(out.cpu().bool(), u >= torch.tensor(0.45, dtype=torch.float32))
+    h = _halves(rows.cpu()[:, None] * 2 + c // 8, 77)  # (13 columns: 2 counters per row)
+    h = torch.gather(h, 0, (c % 8).expand(rows.numel(), 13)[None])[0]
+    assert torch.equal(out.cpu().bool(), h >= _threshold(0.45))
 
 
 @pytest.mark.gpu
