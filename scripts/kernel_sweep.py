@@ -17,6 +17,7 @@ for kind in ("relu", "silu", "gelu_tanh", "gelu"):
     rep(f"bias+{kind} bwd (dbias)", ms(lambda: A.bias_act_bwd(dy, x, b, kind, True)), 3 * E)
 rep("gelu+dropout fwd", ms(lambda: A.bias_act_fwd(x, None, "gelu", dropout_p=0.1, seed=seed)), 2 * E)
 rep("gelu+dropout bwd", ms(lambda: A.bias_act_bwd(dy, x, None, "gelu", False, dropout_p=0.1, seed=seed)), 3 * E)
+rep("bias+gelu+dropout bwd (dbias)", ms(lambda: A.bias_act_bwd(dy, x, b, "gelu", True, dropout_p=0.1, seed=seed)), 3 * E)
 rep("relu+dropout fwd", ms(lambda: A.bias_act_fwd(x, None, "relu", dropout_p=0.1, seed=seed)), 2 * E)
 rep("dropout fwd", ms(lambda: D.dropout_fwd(x, 0.1, seed)), 2 * E)
 yy, mean, rstd, _ = N.layernorm_fwd(x, w, b, 1e-5)
