@@ -55,8 +55,8 @@ if HAS_TRITON:
 
     from .fp8_cast import fp8_epilogue
 
-    from .norm_jit import (acc_partials, affine, aligned, load_xhat, load_xsum, row_ptrs, row_sums, store_dx, store_partials,
-                           store_y, sum_pair)
+    from .norm_jit import (acc_partials, affine, aligned, load_tile, load_xhat, load_xsum, row_ptrs, row_sums, store_dx,
+                           store_partials, store_y, sum_pair, to_xhat)
 
     # ---- kernels
 
@@ -153,7 +153,7 @@ if HAS_TRITON:
         IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DXE: tl.constexpr,
         NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
         VARIANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RELOAD: tl.constexpr,
-        ALIGN: tl.constexpr,
+        ALIGN: tl.constexpr, PREFETCH: tl.constexpr,
     ):
         N = aligned(N, ALIGN)  # (as in the forward)
         stride_dy = aligned(stride_dy, ALIGN)
@@ -174,19 +174,25 @@ if HAS_TRITON:
                 w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
             dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for start in range(pid * BLOCK_M, n_rows, nprog * BLOCK_M):
+            step = nprog * BLOCK_M
+            if PREFETCH:  # each tile's loads go out one iteration early, before the previous tile's math
+                xs_n, dy_n, mean_n, rstd_n = load_tile(XS, DY, MEAN, RSTD, pid * BLOCK_M + tl.arange(0, BLOCK_M), cols,
+                                                       col_mask, n_rows, stride_xs, stride_dy, IS_RMS)
+            for start in range(pid * BLOCK_M, n_rows, step):
                 rows = start + tl.arange(0, BLOCK_M)
                 row_mask = rows < n_rows
                 mask = row_mask[:, None] & col_mask[None, :]
                 rows64 = rows.to(tl.int64)[:, None]
                 xs_p = XS + rows64 * stride_xs + cols[None, :]
                 dy_p = DY + rows64 * stride_dy + cols[None, :]
-                rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-                if IS_RMS:
-                    mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+                if PREFETCH:
+                    xs_t, dy_t, mean, rstd = xs_n, dy_n, mean_n, rstd_n
+                    xs_n, dy_n, mean_n, rstd_n = load_tile(XS, DY, MEAN, RSTD, rows + step, cols, col_mask, n_rows,
+                                                           stride_xs, stride_dy, IS_RMS)
                 else:
-                    mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-                dy, xhat = load_xhat(xs_p, dy_p, mask, mean[:, None], rstd[:, None], IS_RMS, "evict_last")
+                    xs_t, dy_t, mean, rstd = load_tile(XS, DY, MEAN, RSTD, rows, cols, col_mask, n_rows, stride_xs,
+                                                       stride_dy, IS_RMS)
+                dy, xhat = to_xhat(xs_t, dy_t, mask, mean[:, None], rstd[:, None], IS_RMS)
                 if HAS_W and RELOAD:
                     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
                 g = dy * w[None, :] if HAS_W else dy
@@ -311,7 +317,7 @@ def _bwd_geometry(key, dy, xsum, is_rms, need_dweight, need_dbias, has_w, dxsum_
     rows = math.prod(xsum.shape[:-1])
     if rows == 0 or n == 0:
         return remember(_GEOMETRY, key, (rows, n, None, None, 0, False, False))
-    variant, block_m, block_n, warps, per_sm = cfg._bwd_config(n, rows, is_rms, has_dxe)
+    variant, block_m, block_n, warps, per_sm, prefetch = cfg._bwd_config(n, rows, is_rms, has_dxe)
     sliced = variant == "sliced"
     sms = num_sms(xsum.device)
     if sliced:  # grid (slices, row programs); the slices of one row group run side by side
@@ -324,7 +330,8 @@ def _bwd_geometry(key, dy, xsum, is_rms, need_dweight, need_dbias, has_w, dxsum_
     db_colsum = need_dbias and not sliced and n >= cfg._BWD_DB_COLSUM_MIN_N
     meta = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DXE=has_dxe, NEED_DW=need_dweight, NEED_DB=need_dbias and not db_colsum,
                 VARIANT=variant, BLOCK_M=block_m, BLOCK_N=block_n, RELOAD=n >= cfg._BWD_RELOAD_MIN_N,
-                ALIGN=row_align(n, dy, xsum, dxsum_extra), num_warps=warps)
+                ALIGN=row_align(n, dy, xsum, dxsum_extra),
+                PREFETCH=prefetch, num_warps=warps)
     return remember(_GEOMETRY, key, (rows, n, grid, meta, nprog, db_colsum, meta["NEED_DB"]))
 
 

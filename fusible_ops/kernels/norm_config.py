@@ -37,6 +37,15 @@ _BWD_RMS_DXE_MIN_N = 4097  # RMSNorm backward with dxsum_extra, this <= n <= _BW
 _BWD_RMS_DXE_MAX_N = 8192  # two below (5120: 264.2 vs 298.3 us with 8/32, 7168: 305.7 vs 339.6,
 _BWD_RMS_DXE_THREAD_ELEMS = 32  # 8192: 326.9 vs 359.8; without dxsum_extra they are 1-3% slower
 _BWD_RMS_DXE_WARPS_PER_SM = 8  # than 8/32 and 16/16)
+# Prefetch in the fused backward below _BWD_RELOAD_MIN_N (H200, [16384, N] bf16, 2026-11-26 09:23,
+# kernel alone, us without -> with): it wins where the extra registers (~15-30 per thread) keep the
+# config's occupancy: RMSNorm 1024 38.0 -> 34.2 (with dxsum_extra 53.1 -> 41.2), 8192 255.9 -> 201.6
+# (323.9 -> 261.3); LayerNorm 1024 39.5 -> 36.1, 4096 127.1 -> 114.2, 8192 272.2 -> 241.6. It loses
+# in RMSNorm's 8 / 32 config (2048: 64.4 -> 74.4; 4096 with dxsum_extra 157.0 -> 173.4) and for
+# LayerNorm past 128 registers: below 1024 columns (256: 22.7 -> 27.4) and with dxsum_extra
+# (2048: 86.9 -> 101.6). So: RMSNorm but in its 8 / 32 config, LayerNorm from this width without
+# dxsum_extra.
+_BWD_PREFETCH_LN_MIN_N = 1024
 _BWD_DB_COLSUM_MIN_N = 8193  # n >= this: dbias is a separate fp32 column sum of dy (torch), the kernel keeps
 # only dweight partials live (H200 LayerNorm bwd 8192 x 16384: 325 us, 345 with dbias partials). A
 # "halves" variant (half a row at a time) served LayerNorm at 8193-16384 columns until 2026-11-26: the
@@ -62,17 +71,20 @@ def _fwd_config(n: int, rows: int, has_res: bool = True) -> tuple[bool, int, int
     return (False,) + _fused_config(n, rows, True, _FWD_THREAD_ELEMS)
 
 
-def _bwd_config(n: int, rows: int, is_rms: bool = False, has_dxe: bool = False) -> tuple[str, int, int, int, int]:
-    """(variant, BLOCK_M, BLOCK_N, num_warps, programs per SM) of the backward for rows of n
-    columns (``has_dxe``: with a ``dxsum_extra`` gradient): variant ``"sliced"`` (programs per SM
-    unused) or ``"fused"``."""
+def _bwd_config(n: int, rows: int, is_rms: bool = False, has_dxe: bool = False) -> tuple[str, int, int, int, int, bool]:
+    """(variant, BLOCK_M, BLOCK_N, num_warps, programs per SM, prefetch) of the backward for rows
+    of n columns (``has_dxe``: with a ``dxsum_extra`` gradient): variant ``"sliced"`` (programs
+    per SM and prefetch unused) or ``"fused"``; ``prefetch``: the fused loop issues each tile's
+    loads one iteration early (see ``_BWD_PREFETCH_LN_MIN_N``)."""
     if n > _BWD_MAX_FUSED_N:
-        return "sliced", 1, _BWD_SLICE_N, max(4, min(_BWD_SLICE_WARPS, _BWD_SLICE_N // 256)), 0
+        return "sliced", 1, _BWD_SLICE_N, max(4, min(_BWD_SLICE_WARPS, _BWD_SLICE_N // 256)), 0, False
+    prefetch = n < _BWD_RELOAD_MIN_N and (is_rms or (not has_dxe and n >= _BWD_PREFETCH_LN_MIN_N))
     if is_rms and has_dxe and _BWD_RMS_DXE_MIN_N <= n <= _BWD_RMS_DXE_MAX_N:
         per_thread, warps_per_sm = _BWD_RMS_DXE_THREAD_ELEMS, _BWD_RMS_DXE_WARPS_PER_SM
     elif is_rms and _BWD_RMS_WIDE_MIN_N <= n <= _BWD_RMS_WIDE_MAX_N:
         per_thread, warps_per_sm = _BWD_RMS_WIDE_THREAD_ELEMS, _BWD_RMS_WIDE_WARPS_PER_SM
+        prefetch = False
     else:
         per_thread, warps_per_sm = _BWD_THREAD_ELEMS, _BWD_WARPS_PER_SM
     block_m, block_n, warps = _fused_config(n, rows, False, per_thread)
-    return "fused", block_m, block_n, warps, _BWD_PROGS_PER_SM or max(1, warps_per_sm // warps)
+    return "fused", block_m, block_n, warps, _BWD_PROGS_PER_SM or max(1, warps_per_sm // warps), prefetch

@@ -49,12 +49,34 @@ if HAS_TRITON:
         tl.store(Y + rows * stride_y + (cols[None, :] if TILE else cols), y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def to_xhat(xs, dy, mask, mean, rstd, NO_MEAN: tl.constexpr):
+        # fp32 (dy, xhat) of loaded xsum / dy with xhat = (xsum - mean) * rstd, 0 outside mask
+        # (NO_MEAN: xsum * rstd, RMSNorm row tiles, whose masked-off xsum is 0 already)
+        xs = xs.to(tl.float32)
+        return dy.to(tl.float32), (xs * rstd if NO_MEAN else tl.where(mask, (xs - mean) * rstd, 0.0))
+
+    @triton.jit
     def load_xhat(xs_ptr, dy_ptr, mask, mean, rstd, NO_MEAN: tl.constexpr, EVICT: tl.constexpr):
-        # fp32 (dy, xhat) with xhat = (xsum - mean) * rstd, 0 outside mask (NO_MEAN: xsum * rstd,
-        # RMSNorm row tiles, whose masked-off xsum is 0 already)
-        xs = tl.load(xs_ptr, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        dy = tl.load(dy_ptr, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        return dy, (xs * rstd if NO_MEAN else tl.where(mask, (xs - mean) * rstd, 0.0))
+        # to_xhat of xsum / dy loaded at xs_ptr / dy_ptr (0 outside mask)
+        xs = tl.load(xs_ptr, mask=mask, other=0.0, eviction_policy=EVICT)
+        dy = tl.load(dy_ptr, mask=mask, other=0.0, eviction_policy=EVICT)
+        return to_xhat(xs, dy, mask, mean, rstd, NO_MEAN)
+
+    @triton.jit
+    def load_tile(XS, DY, MEAN, RSTD, rows, cols, col_mask, n_rows, stride_xs, stride_dy, IS_RMS: tl.constexpr):
+        # (xsum, dy) of the row tile rows x cols as stored (0 outside the tensor), its rows' mean
+        # (0 for RMSNorm) and rstd: what the backward loads per tile
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        xs = tl.load(XS + rows64 * stride_xs + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
+        dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        if IS_RMS:
+            mean = tl.zeros_like(rstd)
+        else:
+            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        return xs, dy, mean, rstd
 
     @triton.jit
     def _add_pair(a0, b0, a1, b1):
