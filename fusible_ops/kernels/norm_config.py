@@ -26,26 +26,21 @@ _BWD_PROGS_PER_SM = 0  # backward fused: persistent programs per SM (0: the warp
 _FWD_THREAD_ELEMS = 32  # forward fused: tile elements per thread (sets num_warps)
 _BWD_THREAD_ELEMS = 16  # backward fused: tile elements per thread (also keeps dweight/dbias partials live)
 _BWD_WARPS_PER_SM = 16  # backward fused: resident warps per SM its persistent programs aim at
-# RMSNorm's backward is faster otherwise with the residual's extra gradient (dxsum_extra) and
-# about equal without it (H200, [16384, N] bf16, 2026-11-26 07:57, device us with / without):
-_BWD_RMS_WIDE_MIN_N = 1025  # RMSNorm backward, this <= n <= _BWD_RMS_WIDE_MAX_N: the two below instead
-_BWD_RMS_WIDE_MAX_N = 4096  # of the two above (which are within 1.2% of them at 4097-8192 columns and,
-# one program per SM where these run two, 2-4% faster at 8193-16384: 16384 x 16384 441.6 vs 450.3 us)
-_BWD_RMS_WIDE_THREAD_ELEMS = 8  # (1536: 73.4 vs 83.2 / 56.6 vs 55.7 with 16/16; 2048: 84.4 vs 94.8
-_BWD_RMS_WIDE_WARPS_PER_SM = 32  # / 65.4 vs 65.5; 4096: 159.1 vs 178.0 / 122.7 vs 122.9)
-_BWD_RMS_DXE_MIN_N = 4097  # RMSNorm backward with dxsum_extra, this <= n <= _BWD_RMS_DXE_MAX_N: the
-_BWD_RMS_DXE_MAX_N = 8192  # two below (5120: 264.2 vs 298.3 us with 8/32, 7168: 305.7 vs 339.6,
-_BWD_RMS_DXE_THREAD_ELEMS = 32  # 8192: 326.9 vs 359.8; without dxsum_extra they are 1-3% slower
-_BWD_RMS_DXE_WARPS_PER_SM = 8  # than 8/32 and 16/16)
-# Prefetch in the fused backward below _BWD_RELOAD_MIN_N (H200, [16384, N] bf16, 2026-11-26 09:23,
-# kernel alone, us without -> with): it wins where the extra registers (~15-30 per thread) keep the
-# config's occupancy: RMSNorm 1024 38.0 -> 34.2 (with dxsum_extra 53.1 -> 41.2), 8192 255.9 -> 201.6
-# (323.9 -> 261.3); LayerNorm 1024 39.5 -> 36.1, 4096 127.1 -> 114.2, 8192 272.2 -> 241.6. It loses
-# in RMSNorm's 8 / 32 config (2048: 64.4 -> 74.4; 4096 with dxsum_extra 157.0 -> 173.4) and for
-# LayerNorm past 128 registers: below 1024 columns (256: 22.7 -> 27.4) and with dxsum_extra
-# (2048: 86.9 -> 101.6). So: RMSNorm but in its 8 / 32 config, LayerNorm from this width without
-# dxsum_extra.
-_BWD_PREFETCH_LN_MIN_N = 1024
+# The fused backward below _BWD_RELOAD_MIN_N: (elements per thread, resident warps per SM, prefetch)
+# by kernel-alone sweeps confirmed end to end (H200, [16384, N] bf16, 2026-11-26; BENCHMARKS.md,
+# "Norm backward: the next tile's loads one iteration early"). Prefetch issues each row tile's
+# loads one iteration early; it costs 15-30 registers per thread, and the configs below keep
+# occupancy with them. Kernel alone, us, the configs before prefetch -> these:
+_BWD_FEW_WARPS = (32, 8)  # more elements per thread, fewer warps: registers to spare
+_BWD_RMS_DXE_MIN_N = 4097  # RMSNorm with dxsum_extra from here: _BWD_FEW_WARPS (5120 264.6 -> 205.2,
+# 8192 323.9 -> 261.3); otherwise RMSNorm takes the general 16 / 16 (1024 38.0 -> 34.2, with
+# dxsum_extra 53.1 -> 41.2; 2048 65.2 -> 58.9 / 83.8 -> 72.5 against the 8 / 32 it ran before;
+# 4096 123.2 -> 105.1 / 158.3 -> 132.5; 8192 255.9 -> 201.6)
+_BWD_LN_NARROW_MAX_N = 512  # LayerNorm without dxsum_extra up to here: _BWD_FEW_WARPS (256 21.6 -> 15.0,
+# 512 28.2 -> 24.7); wider, 16 / 16 (768 35.7 -> 32.1, 1024 39.5 -> 36.1, 8192 272.2 -> 241.6)
+_BWD_LN_DXE_MIN_N = 1024  # LayerNorm with dxsum_extra from here (narrower: 16 / 16 without prefetch;
+_BWD_LN_DXE_MID_MAX_N = 2048  # 16 / 16 with it was slower) up to here _BWD_LN_DXE_MID (1024 54.2 -> 44.9,
+_BWD_LN_DXE_MID = (16, 12)  # 2048 87.4 -> 79.3), then _BWD_FEW_WARPS (4096 163.8 -> 154.7, 6144 279.8 -> 260.3)
 _BWD_DB_COLSUM_MIN_N = 8193  # n >= this: dbias is a separate fp32 column sum of dy (torch), the kernel keeps
 # only dweight partials live (H200 LayerNorm bwd 8192 x 16384: 325 us, 345 with dbias partials). A
 # "halves" variant (half a row at a time) served LayerNorm at 8193-16384 columns until 2026-11-26: the
@@ -56,8 +51,9 @@ _BWD_DB_COLSUM_MIN_N = 8193  # n >= this: dbias is a separate fp32 column sum of
 def _fused_config(n: int, rows: int, fwd: bool, per_thread: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for whole rows held in registers, ~``_TILE`` elements per
     program, ``per_thread`` of them per thread (at most ``_FWD_WARPS_CAP`` / ``_BWD_WARPS_CAP``
-    warps). Register use checked on sm_90 (Triton 3.6): no spills; at most 128 per thread but for
-    RMSNorm's dxsum_extra config at 4097-8192 columns (213)."""
+    warps). Register use checked on sm_90 (Triton 3.6), backward with prefetch: 118-128 per thread
+    at 16 elements per thread (2 spilled at LayerNorm 768-1024 columns), 226-255 at 32 (no spills);
+    16 / 12 with LayerNorm's dxsum_extra: 146-150."""
     block_n = max(16, next_pow2(n))
     block_m = max(1, min(_TILE // block_n, next_pow2(rows)))
     warps = max(1, min(block_m * block_n // (32 * per_thread), _FWD_WARPS_CAP if fwd else _BWD_WARPS_CAP))
@@ -71,20 +67,27 @@ def _fwd_config(n: int, rows: int, has_res: bool = True) -> tuple[bool, int, int
     return (False,) + _fused_config(n, rows, True, _FWD_THREAD_ELEMS)
 
 
+def _bwd_choice(n: int, is_rms: bool, has_dxe: bool) -> tuple[int, int, bool]:
+    """(elements per thread, resident warps per SM, prefetch) of the fused backward (the table above)."""
+    general = (_BWD_THREAD_ELEMS, _BWD_WARPS_PER_SM)
+    if n >= _BWD_RELOAD_MIN_N:
+        return (*general, False)
+    if is_rms:
+        return (*(_BWD_FEW_WARPS if has_dxe and n >= _BWD_RMS_DXE_MIN_N else general), True)
+    if has_dxe:
+        if n < _BWD_LN_DXE_MIN_N:
+            return (*general, False)
+        return (*(_BWD_LN_DXE_MID if n <= _BWD_LN_DXE_MID_MAX_N else _BWD_FEW_WARPS), True)
+    return (*(_BWD_FEW_WARPS if n <= _BWD_LN_NARROW_MAX_N else general), True)
+
+
 def _bwd_config(n: int, rows: int, is_rms: bool = False, has_dxe: bool = False) -> tuple[str, int, int, int, int, bool]:
     """(variant, BLOCK_M, BLOCK_N, num_warps, programs per SM, prefetch) of the backward for rows
     of n columns (``has_dxe``: with a ``dxsum_extra`` gradient): variant ``"sliced"`` (programs
     per SM and prefetch unused) or ``"fused"``; ``prefetch``: the fused loop issues each tile's
-    loads one iteration early (see ``_BWD_PREFETCH_LN_MIN_N``)."""
+    loads one iteration early."""
     if n > _BWD_MAX_FUSED_N:
         return "sliced", 1, _BWD_SLICE_N, max(4, min(_BWD_SLICE_WARPS, _BWD_SLICE_N // 256)), 0, False
-    prefetch = n < _BWD_RELOAD_MIN_N and (is_rms or (not has_dxe and n >= _BWD_PREFETCH_LN_MIN_N))
-    if is_rms and has_dxe and _BWD_RMS_DXE_MIN_N <= n <= _BWD_RMS_DXE_MAX_N:
-        per_thread, warps_per_sm = _BWD_RMS_DXE_THREAD_ELEMS, _BWD_RMS_DXE_WARPS_PER_SM
-    elif is_rms and _BWD_RMS_WIDE_MIN_N <= n <= _BWD_RMS_WIDE_MAX_N:
-        per_thread, warps_per_sm = _BWD_RMS_WIDE_THREAD_ELEMS, _BWD_RMS_WIDE_WARPS_PER_SM
-        prefetch = False
-    else:
-        per_thread, warps_per_sm = _BWD_THREAD_ELEMS, _BWD_WARPS_PER_SM
+    per_thread, warps_per_sm, prefetch = _bwd_choice(n, is_rms, has_dxe)
     block_m, block_n, warps = _fused_config(n, rows, False, per_thread)
     return "fused", block_m, block_n, warps, _BWD_PROGS_PER_SM or max(1, warps_per_sm // warps), prefetch

@@ -377,30 +377,26 @@ def test_triton_interpreter_bwd_reload(monkeypatch, rms):
 def test_bwd_prefetch_rule():
     """Prefetch in the fused backward where it was measured to win (norm_config's table)."""
     pf = lambda n, rms, dxe: NC._bwd_config(n, 16384, rms, dxe)[5]  # noqa: E731
-    assert pf(1024, True, False) and pf(1024, True, True) and pf(8192, True, True) and pf(8192, True, False)
-    assert not pf(2048, True, False) and not pf(4096, True, True)  # RMSNorm's 8 / 32 config
-    assert pf(1024, False, False) and pf(4096, False, False) and pf(8192, False, False)
-    assert not pf(512, False, False) and not pf(2048, False, True)  # LayerNorm: past 128 registers
+    for n in (256, 1024, 2048, 4096, 8192):
+        assert pf(n, True, False) and pf(n, True, True) and pf(n, False, False)
+    assert pf(1024, False, True) and pf(6144, False, True)
+    assert not pf(512, False, True)  # LayerNorm with dxsum_extra below 1024 columns (not measured)
     assert not pf(12288, True, False) and not pf(12288, False, False)  # RELOAD
     assert not pf(32768, True, False)  # sliced
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
-@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
-def test_triton_interpreter_bwd_prefetch_both_ways(monkeypatch, rms, prefetch):
-    """Both loops of the fused backward (each tile loaded in its iteration, or one early) match
-    float64 math, on shapes whose programs walk several tiles (the last prefetch is past the end)."""
+def test_triton_interpreter_bwd_prefetch(monkeypatch, rms):
+    """The fused backward's loops (each tile loaded one iteration early, or in its own iteration:
+    LayerNorm with dxsum_extra below 1024 columns) match float64 math, on shapes whose programs
+    walk several tiles (the last prefetch is past the end)."""
     monkeypatch.setattr(NC, "_TILE", 32)  # row tiles of a few rows,
     monkeypatch.setattr(NC, "_BWD_PROGS_PER_SM", 1)  # two programs (interpreter): each walks many tiles
-    if rms and not prefetch:  # RMSNorm's 8 / 32 config runs without prefetch
-        monkeypatch.setattr(NC, "_BWD_RMS_WIDE_MIN_N", 1)
-    if not rms and prefetch:
-        monkeypatch.setattr(NC, "_BWD_PREFETCH_LN_MIN_N", 1)
     for shape in [(37, 3), (9, 33), (2, 3, 24)]:
-        assert NC._bwd_config(shape[-1], 4, rms, False)[5] == prefetch
-        _check_norm(shape, torch.bfloat16, torch.float32, True, False, True, True, "rows", rms=rms)  # no dxsum_extra
-        if rms:  # (LayerNorm with dxsum_extra never prefetches)
-            _check_norm(shape, torch.float16, None, False, True, True, False, None, rms=rms)
+        assert NC._bwd_config(shape[-1], 4, rms, False)[5]
+        assert NC._bwd_config(shape[-1], 4, rms, True)[5] == rms
+        _check_norm(shape, torch.bfloat16, torch.float32, True, False, True, True, "rows", rms=rms)
+        _check_norm(shape, torch.float16, None, False, True, True, not rms, None, rms=rms)
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
