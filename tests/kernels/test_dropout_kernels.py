@@ -180,45 +180,41 @@ def test_philox_ref_bit_identical_to_tl_rand(offs_dtype):
         assert (ref >= 0).all() and (ref < 1).all()
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
-def test_philox_rand4_ref_bit_identical_to_tl_rand4x(offs_dtype):
+def _counters(offs_dtype):
+    """Philox counters of offs_dtype: 0..199 and a few large ones (int64: some past 2**32)."""
     offs = torch.cat([torch.arange(0, 200), torch.tensor([2**31 - 1, 123456789, 7])]).to(offs_dtype)
     if offs_dtype == torch.int64:  # counters with a non-zero high word
         offs = torch.cat([offs, torch.tensor([2**32, 2**32 + 5, 3 * 2**33 + 17, 2**40 - 1])])
+    return offs
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
+def test_philox_refs_bit_identical_to_tl_rand4x_and_randint4x(offs_dtype):
+    """philox4_ref == tl.randint4x (the words the masks use) and philox_rand4_ref == tl.rand4x
+    (those words as uniforms), for int and tensor seeds."""
+    offs = _counters(offs_dtype)
     n = offs.numel()
     for seed in (0, 424242, 2**31 - 1):
         out = torch.empty(4, n, dtype=torch.float32)
+        words_k = torch.empty(4, n, dtype=torch.int64)
         with K.use("triton"):
             _rand4_kernel[(triton.cdiv(n, 128),)](offs, out, n, seed, BLOCK=128)
+            _randint4_kernel[(triton.cdiv(n, 128),)](offs, words_k, n, seed, BLOCK=128)
         ref = D.philox_rand4_ref(offs, seed)
-        assert len(ref) == 4
+        words = D.philox4_ref(offs, seed)
+        assert len(ref) == 4 and len(words) == 4
         for k in range(4):
             assert ref[k].dtype == torch.float32 and ref[k].shape == offs.shape
             assert torch.equal(out[k].view(torch.int32), ref[k].view(torch.int32)), f"seed={seed} word={k}"
+            assert words[k].dtype == torch.int64 and ((words[k] >= 0) & (words[k] < 2**32)).all()
+            assert torch.equal(words_k[k] & 0xFFFFFFFF, words[k]), f"seed={seed} word={k}"
+            u = torch.where(words[k] >= 2**31, words[k] ^ 0xFFFFFFFF, words[k]).float() * 4.6566127342e-10
+            assert torch.equal(u, ref[k])
         assert torch.equal(D.philox_rand_ref(offs, seed), ref[0])
         for k, u in enumerate(D.philox_rand4_ref(offs, S(seed))):  # a tensor seed: the same words
             assert torch.equal(u.view(torch.int32), ref[k].view(torch.int32))
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
-def test_philox4_ref_bit_identical_to_tl_randint4x(offs_dtype):
-    """The words the masks use: philox4_ref == tl.randint4x, and the uniforms are these words."""
-    offs = torch.cat([torch.arange(0, 200), torch.tensor([2**31 - 1, 123456789, 7])]).to(offs_dtype)
-    if offs_dtype == torch.int64:  # counters with a non-zero high word
-        offs = torch.cat([offs, torch.tensor([2**32, 2**32 + 5, 3 * 2**33 + 17, 2**40 - 1])])
-    n = offs.numel()
-    for seed in (0, 424242, 2**31 - 1):
-        out = torch.empty(4, n, dtype=torch.int64)
-        with K.use("triton"):
-            _randint4_kernel[(triton.cdiv(n, 128),)](offs, out, n, seed, BLOCK=128)
-        words = D.philox4_ref(offs, seed)
-        for k in range(4):
-            assert words[k].dtype == torch.int64 and ((words[k] >= 0) & (words[k] < 2**32)).all()
-            assert torch.equal(out[k] & 0xFFFFFFFF, words[k]), f"seed={seed} word={k}"
-            u = torch.where(words[k] >= 2**31, words[k] ^ 0xFFFFFFFF, words[k]).float() * 4.6566127342e-10
-            assert torch.equal(u, D.philox_rand4_ref(offs, seed)[k])
+            assert torch.equal(D.philox4_ref(offs, S(seed))[k], words[k])
 
 
 def test_drop_threshold():
