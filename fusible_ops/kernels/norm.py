@@ -21,9 +21,11 @@ Configs (explicit, in :mod:`.norm_config`; register use checked for
 sm_90): rows of up to ``_FWD_MAX_FUSED_N`` / ``_BWD_MAX_FUSED_N`` columns are held in registers
 (several rows per program when N is small). Forward variants: whole rows, or ``LOOP`` (wider
 rows, or rows wider than ``_FWD_NORES_MAX_FUSED_N`` without residual: statistics pass, then
-output pass). Backward variants (``VARIANT``): ``"fused"`` (rows >= ``_BWD_RELOAD_MIN_N`` re-load
-xsum/dy for dx, ``RELOAD``; rows >= ``_BWD_DB_COLSUM_MIN_N``: dbias a separate fp32 column sum
-of dy) and ``"sliced"`` (wider rows: column slices x row programs). Row lengths and strides that
+output pass). Backward variants (``VARIANT``): ``"fused"`` (a persistent loop over row tiles;
+narrower rows ``PREFETCH`` each tile's loads one iteration early where the config chooses it, see
+``norm_config._bwd_choice``; rows >= ``_BWD_RELOAD_MIN_N`` re-load xsum/dy for dx, ``RELOAD``; rows
+>= ``_BWD_DB_COLSUM_MIN_N``: dbias a separate fp32 column sum of dy) and ``"sliced"`` (wider rows:
+column slices x row programs). Row lengths and strides that
 are multiples of 8 but not 16 reach the kernels as such (``ALIGN``, :func:`~.launch.row_align`).
 Inputs need a unit stride on the last dim (else copied); outputs are fresh and contiguous.
 """
