@@ -25,9 +25,9 @@ output pass). Backward variants (``VARIANT``): ``"fused"`` (a persistent loop ov
 narrower rows ``PREFETCH`` each tile's loads one iteration early where the config chooses it, see
 ``norm_config._bwd_choice``; rows >= ``_BWD_RELOAD_MIN_N`` re-load xsum/dy for dx, ``RELOAD``; rows
 >= ``_BWD_DB_COLSUM_MIN_N``: dbias a separate fp32 column sum of dy) and ``"sliced"`` (wider rows:
-column slices x row programs). Row lengths and strides that
-are multiples of 8 but not 16 reach the kernels as such (``ALIGN``, :func:`~.launch.row_align`).
-Inputs need a unit stride on the last dim (else copied); outputs are fresh and contiguous.
+column slices x row programs). Row lengths and strides that are multiples of 8 but not 16 reach
+the kernels as such (``ALIGN``, :func:`~.launch.row_align`). Inputs need a unit stride on the
+last dim (else copied); outputs are fresh and contiguous.
 """
 
 from __future__ import annotations
