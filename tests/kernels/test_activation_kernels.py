@@ -309,3 +309,21 @@ def test_eager_backward_allocates_no_dbias_placeholder():
         dz_o, db_o = A._bias_act_bwd_op.op(dy, x, None, "swiglu", False, 0.0, None)
     assert db_e is None and db_o.numel() == 0
     assert torch.equal(dz_e, dz_o)
+
+
+def test_backward_prefetch_rule():
+    """The backward prefetches the next row tile only where it was measured to win: a non-gated
+    activation with dbias and no dropout (activation._BWD_PREFETCH's table)."""
+    x, b = torch.randn(64, 32), torch.randn(32)
+
+    def prefetch(kind, bias, need_dbias, drop):
+        dy = torch.randn(64, 16 if kind in A.GATED else 32)
+        bias_ = b if kind not in A.GATED else torch.randn(32)
+        geo = A._bwd_geometry(("test", kind, bias, need_dbias, drop), dy, x, bias_ if bias else None, None, kind,
+                              need_dbias and bias, False, drop)
+        return geo[3]["PREFETCH"]
+
+    assert prefetch("gelu", True, True, False) and prefetch("relu", True, True, False)
+    assert not prefetch("gelu", True, True, True)  # dropout
+    assert not prefetch("gelu", True, False, False) and not prefetch("gelu", False, False, False)  # no dbias
+    assert not prefetch("swiglu", True, True, False)  # gated
