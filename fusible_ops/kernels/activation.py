@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from fusible_ops.kernels import HAS_TRITON, interpreter_enabled, use_triton
+from fusible_ops.kernels.act_table import ACT_IDS
 from fusible_ops.kernels.activation_ref import (  # noqa: F401  (re-exported: one module to import)
     ACTIVATIONS,
     GATED,
@@ -234,13 +235,13 @@ if HAS_TRITON:
 # ~24 programs per SM keep the partial-sum buffer ~1% of the traffic and the last wave short.
 _BWD_MAX_BLOCK_C = 512
 _BWD_TILE = 2048
-# Prefetch in the backward (each row tile's loads issued one iteration early) for a non-gated
-# activation with dbias and no dropout. H200, bf16, kernel alone, us without -> with (2026-11-26
-# 09:55): bias + GELU with dbias 569.0 -> 534.5 at [16384, 16384], 151.2 -> 137.7 at [16384, 2816],
-# 86.0 -> 81.5 at [4096, 4096] (end to end, Bias -> GELU: 915.4 -> 879.4); bias + ReLU with dbias
-# 421.8 -> 427.3 / 127.8 -> 127.1 / 79.2 -> 75.9; bias + tanh-GELU / SiLU with dbias (10:03)
-# 515.0 -> 455.8 / 494.1 -> 434.0 at [16384, 16384]. With dropout 0.7-2.1% slower, without dbias
-# (GELU, SwiGLU) within 2% either way.
+# Prefetch in the backward (each row tile's loads issued one iteration early) with dbias, no
+# dropout and an activation costlier than ReLU. H200, bf16, kernel alone, us without -> with
+# (2026-11-26 09:55-10:15): bias + GELU with dbias 569.0 -> 534.5 at [16384, 16384], 151.2 -> 137.7
+# at [16384, 2816], 86.0 -> 81.5 at [4096, 4096] (end to end, Bias -> GELU: 915.4 -> 879.4);
+# tanh-GELU / SiLU 515.0 -> 455.8 / 494.1 -> 434.0; GEGLU 530.5 -> 480.4, SwiGLU 462.1 -> 462.1 at
+# [16384, 16384]. ReLU 421.8 -> 427.3 and ReGLU 405.9 -> 442.5 (the cheap activation is
+# memory-bound: no prefetch); with dropout 0.7-2.1% slower; without dbias within 2% either way.
 _BWD_PREFETCH = True
 _PROGS_PER_SM = 24
 _ONE_PROG_ROW_TILES = 4  # up to this many row tiles: one row program (host-bound sizes)
@@ -341,7 +342,8 @@ def _bwd_geometry(key, dy, x, bias, scales, kind, need_dbias, need_dscales, drop
     meta = dict(ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None,
                 NEED_DBIAS=need_dbias, NEED_DSCALES=need_dscales, DROPOUT=drop, OFF64=needs_int64(n_rows, n_out),
                 BLOCK_R=block_r, BLOCK_C=block_c, HAS_AMAX=has_amax,
-                PREFETCH=_BWD_PREFETCH and need_dbias and not drop and not gated, num_warps=num_warps)
+                PREFETCH=_BWD_PREFETCH and need_dbias and not drop and act != ACT_IDS["relu"],
+                num_warps=num_warps)
     asis_x = x.dim() == 2 and (x.stride(1) == 1 or n_in <= 1)
     asis_dy = dy.dim() == 2 and tuple(dy.shape) == (n_rows, n_out) and (dy.stride(1) == 1 or n_out <= 1)
     return _remember(key, (asis_x, asis_dy, (n_row_progs, n_col_blocks), meta, n_rows, n_out, rows_per_prog,

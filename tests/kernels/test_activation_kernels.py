@@ -312,18 +312,17 @@ def test_eager_backward_allocates_no_dbias_placeholder():
 
 
 def test_backward_prefetch_rule():
-    """The backward prefetches the next row tile only where it was measured to win: a non-gated
-    activation with dbias and no dropout (activation._BWD_PREFETCH's table)."""
-    x, b = torch.randn(64, 32), torch.randn(32)
+    """The backward prefetches the next row tile only where it was measured to win: with dbias,
+    no dropout and an activation costlier than ReLU (activation._BWD_PREFETCH's table)."""
+    x = torch.randn(64, 32)
 
     def prefetch(kind, bias, need_dbias, drop):
         dy = torch.randn(64, 16 if kind in A.GATED else 32)
-        bias_ = b if kind not in A.GATED else torch.randn(32)
-        geo = A._bwd_geometry(("test", kind, bias, need_dbias, drop), dy, x, bias_ if bias else None, None, kind,
-                              need_dbias and bias, False, drop)
+        geo = A._bwd_geometry(("test", kind, bias, need_dbias, drop), dy, x, torch.randn(32) if bias else None, None,
+                              kind, need_dbias and bias, False, drop)
         return geo[3]["PREFETCH"]
 
-    assert prefetch("gelu", True, True, False) and prefetch("relu", True, True, False)
+    assert all(prefetch(k, True, True, False) for k in ("gelu", "gelu_tanh", "silu", "swiglu", "geglu"))
+    assert not prefetch("relu", True, True, False) and not prefetch("reglu", True, True, False)
     assert not prefetch("gelu", True, True, True)  # dropout
     assert not prefetch("gelu", True, False, False) and not prefetch("gelu", False, False, False)  # no dbias
-    assert not prefetch("swiglu", True, True, False)  # gated
