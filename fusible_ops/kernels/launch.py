@@ -134,7 +134,7 @@ def next_pow2(n: int) -> int:
 
 # ----------------------------------------------------------------------------- elementwise tiling
 MIN_BLOCK_C = 8
-"""Smallest column tile of elementwise passes (dropout masks draw 4 columns per Philox call)."""
+"""Smallest column tile of elementwise passes (dropout masks draw 8 columns per Philox call)."""
 EW_MAX_BLOCK_C = 1024  # tile caps of elementwise passes (tests shrink them to get many programs)
 EW_TILE = 4096
 INT64_MIN_COUNTERS = 2**31  # counters >= this need int64 (tests lower it to run the int64 path)

@@ -85,13 +85,13 @@ class Dropout(BasicOperation):
 
     The mask comes from a counter-based RNG (Philox keyed by a seed, one counter per 8 elements,
     16-bit keep decisions: the drop probability is ``p`` rounded to a multiple of ``2**-16``; see
-    :mod:`fusible_ops.kernels.dropout`), so backward regenerates it instead of storing it. The seed is a **tensor**: one int64 element
-    drawn at each forward with ``torch.randint`` on the input's device from that device's default
-    generator (no host sync). So under CUDA-graph capture every replay draws a new seed and a new
-    mask (the generator's offset advances on the device), and ``torch.compile`` traces the draw
-    (no data-dependent Python value). The same seed value gives the same mask on CPU and GPU.
-    ``y = x * keep / (1 - p)``: a product, as in ``torch.nn.functional.dropout`` (a dropped
-    NaN/Inf stays NaN).
+    :mod:`fusible_ops.kernels.dropout`), so backward regenerates it instead of storing it. The seed
+    is a **tensor**: one int64 element drawn at each forward with ``torch.randint`` on the input's
+    device from that device's default generator (no host sync). So under CUDA-graph capture every
+    replay draws a new seed and a new mask (the generator's offset advances on the device), and
+    ``torch.compile`` traces the draw (no data-dependent Python value). The same seed value gives
+    the same mask on CPU and GPU. ``y = x * keep / (1 - p)``: a product, as in
+    ``torch.nn.functional.dropout`` (a dropped NaN/Inf stays NaN).
 
     Fused ops use one protocol for the seed (never ctx attributes directly): :meth:`start` in
     forward (decides whether dropout is active, draws the seed, saves it in ctx) and

@@ -9,7 +9,6 @@ input. CI runs the gloo variants; on GPUs: ``torchrun --nproc-per-node 2 -m pyte
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
