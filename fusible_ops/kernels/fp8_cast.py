@@ -31,11 +31,10 @@ from .launch import TRITON_DTYPES, DirectKernel, cdiv, generic_key
 FP32_MAX = torch.finfo(torch.float32).max
 BLOCK = 128  # the block recipe's tile edge
 # Launch configs (scripts/fp8_cast_sweep.py measures them): per-tensor cast, by ``transposed``:
-# (BLOCK_M, BLOCK_N, num_warps); block cast, by (square, transposed): (rows per program, num_warps,
-# column chunk of the two-pass variants), rows 128 whenever a scale spans 128 rows.
+# (BLOCK_M, BLOCK_N, num_warps); block cast, by (square, transposed): (rows per program, num_warps),
+# rows 128 whenever a scale spans 128 rows.
 TENSOR_CFG = {False: (64, 128, 8), True: (64, 128, 4)}
-BLOCK_CFG = {(False, False): (64, 8, 128), (False, True): (128, 4, 64), (True, False): (128, 16, 64),
-             (True, True): (128, 4, 64)}
+BLOCK_CFG = {(False, False): (64, 8), (False, True): (128, 4), (True, False): (128, 4), (True, True): (128, 4)}
 _FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 if HAS_TRITON:
@@ -54,34 +53,43 @@ if HAS_TRITON:
 
     @triton.jit
     def _to_fp8(x, scale, FMAX: tl.constexpr, dtype: tl.constexpr, SOFT_ROUND: tl.constexpr):
-        # fp8(clamp(x * scale)), round to nearest even. On the GPU the conversion instruction rounds
-        # so. SOFT_ROUND (Triton's interpreter, whose own fp8 conversion does not round to nearest
-        # even): round in fp32 first, so the conversion is exact. Quantum of |y|'s binade:
-        # 2^(exponent - mantissa bits), at least the fp8 subnormal step; adding and subtracting
-        # quantum * 2^23 rounds to a multiple of it.
+        # fp8(clamp(x * scale)), round to nearest even. On the GPU the conversion instruction
+        # (cvt.rn.satfinite) rounds so and saturates to +-FMAX itself (infinities included), so the
+        # clamp is left to it: 4 fewer instructions per element, and NaN stays NaN as in the ref.
+        # SOFT_ROUND (Triton's interpreter, whose own fp8 conversion neither rounds to nearest even
+        # nor saturates): clamp, then round in fp32 first, so the conversion is exact. Quantum of
+        # |y|'s binade: 2^(exponent - mantissa bits), at least the fp8 subnormal step; adding and
+        # subtracting quantum * 2^23 rounds to a multiple of it.
+        if not SOFT_ROUND:
+            return (x * scale).to(dtype)
         y = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
-        if SOFT_ROUND:
-            bits = y.to(tl.int32, bitcast=True)
-            a = tl.abs(y)
-            binade = (bits & 0x7F800000).to(tl.float32, bitcast=True)
-            if FMAX == 448.0:  # E4M3: 3 mantissa bits, subnormal step 2^-9
-                q = tl.maximum(binade * 0.125, 0.001953125)
-            else:  # E5M2: 2 mantissa bits, subnormal step 2^-16
-                q = tl.maximum(binade * 0.25, 1.52587890625e-05)
-            big = q * 8388608.0
-            r = (a + big) - big
-            y = (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # y's sign
+        bits = y.to(tl.int32, bitcast=True)
+        a = tl.abs(y)
+        binade = (bits & 0x7F800000).to(tl.float32, bitcast=True)
+        if FMAX == 448.0:  # E4M3: 3 mantissa bits, subnormal step 2^-9
+            q = tl.maximum(binade * 0.125, 0.001953125)
+        else:  # E5M2: 2 mantissa bits, subnormal step 2^-16
+            q = tl.maximum(binade * 0.25, 1.52587890625e-05)
+        big = q * 8388608.0
+        r = (a + big) - big
+        y = (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # y's sign
         return y.to(dtype)
 
     @triton.jit
-    def _store_t(QT, X, scale, r64, c64, M, N, stride_x, FMAX: tl.constexpr, SOFT_ROUND: tl.constexpr):
-        # The transposed copy of the tile at rows r64 x cols c64 of X [M, N]: fp8(x * scale) to
-        # QT[c, r] (row stride M), from a transposed re-load of the tile (an L1/L2 hit) in the
-        # layout the store wants. ``scale``: a scalar or one per column as a [C, 1] tile. (No
-        # tl.trans: with Triton 3.6 on sm_90 a transposed tile stored as fp8 gave wrong bytes for
-        # some tile layouts, H200, 2026-11-24.)
-        mask_t = (c64 < N)[:, None] & (r64 < M)[None, :]
-        xt = tl.load(X + r64[None, :] * stride_x + c64[:, None], mask=mask_t, other=0.0).to(tl.float32)
+    def _store_t(QT, X, x, scale, rows, cols, M, N, stride_x, FMAX: tl.constexpr, SOFT_ROUND: tl.constexpr):
+        # The transposed copy of the fp32 tile x [R, C] at rows x cols of X [M, N]: fp8(x^T *
+        # scale) to QT [N, M], ``scale`` a scalar or one per column as a [C, 1] tile. 16-bit
+        # inputs: the tile transposed in registers (Triton moves it through shared memory). fp32
+        # inputs: the tile re-loaded transposed (an L1/L2 hit), because with Triton 3.6 on sm_90
+        # fp32 tiles transposed in registers (tl.trans, or fp8 bytes through transposed pointers)
+        # gave wrong FP8 bytes (H100 and H200, 2026-11-24 and 11-26; the GPU tests catch it).
+        mask_t = (cols < N)[:, None] & (rows < M)[None, :]
+        r64 = rows.to(tl.int64)
+        c64 = cols.to(tl.int64)
+        if X.dtype.element_ty == tl.float32:
+            xt = tl.load(X + r64[None, :] * stride_x + c64[:, None], mask=mask_t, other=0.0)
+        else:
+            xt = tl.trans(x)
         tl.store(QT + c64[:, None] * M + r64[None, :], _to_fp8(xt, scale, FMAX, QT.dtype.element_ty, SOFT_ROUND),
                  mask=mask_t)
 
@@ -92,8 +100,8 @@ if HAS_TRITON:
         # n_cols] output). OUT_MODE 0: y to Y in Y's dtype; 1: also max|y| into AMAX (current
         # scaling: the cast that follows needs no reduction pass); 2: y rounded to Y's dtype (as the
         # unfused path would store it), then fp8(. * QSCALE) to Q and max|y| into AMAX (delayed
-        # scaling's history entry). Y is only a dtype carrier in mode 2. (No transposed copy: a
-        # producer's tile cannot be re-loaded, see _store_t; the consumer transposes the bytes.)
+        # scaling's history entry). Y is only a dtype carrier in mode 2. (No transposed copy here:
+        # the consumer transposes the bytes.)
         yr = y.to(Y.dtype.element_ty)
         if OUT_MODE == 2:
             q = _to_fp8(yr.to(tl.float32), tl.load(QSCALE), FMAX, Q.dtype.element_ty, SOFT_ROUND)
@@ -128,7 +136,7 @@ if HAS_TRITON:
         q = _to_fp8(x, scale, FMAX, Q.dtype.element_ty, SOFT_ROUND)
         tl.store(Q + r64[:, None] * N + c64[None, :], q, mask=mask)
         if HAS_T:
-            _store_t(QT, X, scale, r64, c64, M, N, stride_x, FMAX, SOFT_ROUND)
+            _store_t(QT, X, x, scale, rows, cols, M, N, stride_x, FMAX, SOFT_ROUND)
         if HAS_AMAX:
             tl.atomic_max(AMAX, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
@@ -160,63 +168,44 @@ if HAS_TRITON:
         tl.store(HIST + r, first)
 
     @triton.jit
-    def _load_chunk(X, rows, r64, bn, c, M, N, stride_x, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-        # fp32 x[rows, bn*BLOCK + c*CHUNK + (0..CHUNK)], 0 outside; also (cols, c64, mask)
-        cols = bn * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
-        c64 = cols.to(tl.int64)
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        x = tl.load(X + r64[:, None] * stride_x + c64[None, :], mask=mask, other=0.0).to(tl.float32)
-        return x, cols, c64, mask
-
-    @triton.jit
     def _cast_block_kernel(
         X, Q, S, QT, ST,  # X [M, N]; Q [M, N]; S scale_inv; QT [N, M]; ST its scale_inv
         M, N, stride_x, stride_s0, stride_s1, stride_st0, stride_st1,
         FMAX: tl.constexpr, SQUARE: tl.constexpr, POW2: tl.constexpr, HAS_T: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+        BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     ):
-        # Program (bm, bn) owns rows bm*BLOCK_M.. and columns bn*BLOCK.. (BLOCK_M == BLOCK whenever a
-        # scale spans 128 rows: SQUARE or HAS_T). SQUARE: one scale for the tile (128x128 blocks);
-        # else one scale per row (1x128), and for QT one per column (1x128 along M). Tiles that need
-        # a whole-tile amax first are walked in [BLOCK_M, CHUNK] column chunks twice (amaxes, then
-        # casts; the second read hits L1/L2), which keeps few values live per thread.
+        # Program (bm, bn) loads rows bm*BLOCK_M.. and columns bn*BLOCK.. once (BLOCK_M == BLOCK
+        # whenever a scale spans 128 rows: SQUARE or HAS_T). SQUARE: one scale for the tile (128x128
+        # blocks), whose bytes QT takes transposed; else one scale per row (1x128), and for QT one
+        # per column: a row-wise cast of the transposed tile.
         bm = tl.program_id(0)
         bn = tl.program_id(1)
         rows = bm * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = bn * BLOCK + tl.arange(0, BLOCK)
         r64 = rows.to(tl.int64)
-        NCH: tl.constexpr = BLOCK // CHUNK
-        if not SQUARE and not HAS_T:  # rows only: one pass over a [BLOCK_M, BLOCK] tile
-            x, cols, c64, mask = _load_chunk(X, rows, r64, bn, 0, M, N, stride_x, BLOCK, BLOCK)
+        c64 = cols.to(tl.int64)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        x = tl.load(X + r64[:, None] * stride_x + c64[None, :], mask=mask, other=0.0)
+        if SQUARE:  # the amax in the input's dtype (exact; measured faster here than in fp32)
+            scale = _scale_of(tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32), FMAX, POW2)
+            x = x.to(tl.float32)
+            tl.store(Q + r64[:, None] * N + c64[None, :], _to_fp8(x, scale, FMAX, Q.dtype.element_ty, SOFT_ROUND), mask=mask)
+            inv = _inv(scale)
+            tl.store(S + bm * stride_s0 + bn * stride_s1, inv)
+            if HAS_T:
+                tl.store(ST + bn * stride_st0 + bm * stride_st1, inv)
+                _store_t(QT, X, x, scale, rows, cols, M, N, stride_x, FMAX, SOFT_ROUND)
+        else:
+            x = x.to(tl.float32)
             scale = _scale_of(tl.max(tl.abs(x), axis=1), FMAX, POW2)
+            tl.store(S + r64 * stride_s0 + bn * stride_s1, _inv(scale), mask=rows < M)
             tl.store(Q + r64[:, None] * N + c64[None, :], _to_fp8(x, scale[:, None], FMAX, Q.dtype.element_ty, SOFT_ROUND),
                      mask=mask)
-            tl.store(S + r64 * stride_s0 + bn * stride_s1, _inv(scale), mask=rows < M)
-        else:
-            amax = tl.zeros([BLOCK_M], dtype=tl.float32)  # per row (or, reduced, the tile's)
-            for c in tl.static_range(NCH):
-                x, cols, c64, mask = _load_chunk(X, rows, r64, bn, c, M, N, stride_x, BLOCK, CHUNK)
-                ax = tl.abs(x)
-                amax = tl.maximum(amax, tl.max(ax, axis=1))
-                if not SQUARE:  # the column-wise copy: each column's scale is complete in its chunk
-                    scale_t = _scale_of(tl.max(ax, axis=0), FMAX, POW2)
-                    _store_t(QT, X, scale_t[:, None], r64, c64, M, N, stride_x, FMAX, SOFT_ROUND)
-                    tl.store(ST + c64 * stride_st0 + bm * stride_st1, _inv(scale_t), mask=cols < N)
-            if SQUARE:
-                scale = _scale_of(tl.max(amax, axis=0), FMAX, POW2)
-                inv = tl.math.div_rn(1.0, scale)
-                tl.store(S + bm * stride_s0 + bn * stride_s1, inv)
-                if HAS_T:
-                    tl.store(ST + bn * stride_st0 + bm * stride_st1, inv)
-            else:
-                scale = _scale_of(amax, FMAX, POW2)
-                tl.store(S + r64 * stride_s0 + bn * stride_s1, _inv(scale), mask=rows < M)
-                scale = scale[:, None]
-            for c in tl.static_range(NCH):
-                x, cols, c64, mask = _load_chunk(X, rows, r64, bn, c, M, N, stride_x, BLOCK, CHUNK)
-                q = _to_fp8(x, scale, FMAX, Q.dtype.element_ty, SOFT_ROUND)
-                tl.store(Q + r64[:, None] * N + c64[None, :], q, mask=mask)
-                if SQUARE and HAS_T:
-                    _store_t(QT, X, scale, r64, c64, M, N, stride_x, FMAX, SOFT_ROUND)
+            if HAS_T:  # column amaxes as row amaxes of the transposed tile (the variant measured fastest)
+                scale_t = _scale_of(tl.max(tl.abs(tl.trans(x)), axis=1), FMAX, POW2)
+                cols_t = bn * BLOCK + tl.arange(0, BLOCK)
+                tl.store(ST + cols_t.to(tl.int64) * stride_st0 + bm * stride_st1, _inv(scale_t), mask=cols_t < N)
+                _store_t(QT, X, x, scale_t[:, None], rows, cols_t, M, N, stride_x, FMAX, SOFT_ROUND)
 
 
 # ---- shared pieces of launchers and refs
@@ -366,11 +355,11 @@ def _cast_block_launch(x2, square, pow2, transposed, dtype):
     qt = torch.empty(k, m, dtype=dtype, device=x2.device) if transposed else None
     if m and k:
         t_args = (qt, st) if transposed else (q, s)
-        bm, warps, chunk = BLOCK_CFG[square, transposed]
+        bm, warps = BLOCK_CFG[square, transposed]
         _cast_block_kernel[(cdiv(m, bm), cdiv(k, BLOCK))](
             x2, q, s, *t_args, m, k, x2.stride(0), s.stride(0), s.stride(1), t_args[1].stride(0),
             t_args[1].stride(1), FMAX=_FMAX[dtype], SQUARE=square, POW2=pow2, HAS_T=transposed, SOFT_ROUND=interpreter_enabled(), BLOCK=BLOCK,
-            BLOCK_M=bm, CHUNK=chunk, num_warps=warps)
+            BLOCK_M=bm, num_warps=warps)
     return q, s, qt, st
 
 

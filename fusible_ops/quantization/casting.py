@@ -122,8 +122,8 @@ class InputQuantizer:
         runs the producer's kernel: without ``amax`` it returns its plain output; with ``amax``
         (fp32 [1], raised to max|y|) and no ``scale`` its plain output; with ``scale`` the FP8 bytes
         q [rows, cols]. When the consumer needs the transposed copy too (its weight gradient), the
-        producer writes its plain output and one cast kernel writes both layouts (a producer's
-        tile cannot be stored transposed reliably, see ``fp8_cast._store_t``). ``like``: a tensor
+        producer writes its plain output and one cast kernel writes both layouts (the producers'
+        FP8 epilogue, ``fp8_cast.fp8_epilogue``, writes no transposed copy). ``like``: a tensor
         of the producer's input dtype and device. ``direct=False``: the producer cannot write FP8
         (only its plain output and the amax)."""
         mode = self.fused_mode()
