@@ -7,8 +7,8 @@ Triton kernels and the refs agree bit for bit on the FP8 bytes and the scales (t
 both compute ``scale = fp8_max / amax`` (1 when amax is 0, capped at fp32's max) with one
 correctly rounded fp32 division, ``scale_inv = 1 / scale`` likewise, power-of-two scales by
 clearing the mantissa bits, and ``q = fp8(clamp(x * scale, -fp8_max, fp8_max))`` (round to
-nearest even: the GPU's conversion instruction; under the interpreter an exact fp32 rounding
-first, see ``_to_fp8``).
+nearest even: the GPU's saturating conversion instruction, which is the clamp; under the
+interpreter a clamp and an exact fp32 rounding first, see ``_to_fp8``).
 
 Scale layouts are the ones ``torch._scaled_mm`` reads on Hopper:
 
