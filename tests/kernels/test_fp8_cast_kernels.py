@@ -81,10 +81,10 @@ def _check_tensor(x, dtype, transposed=True, use_amax=True):
     assert torch.equal(inv_k, inv_r) and torch.equal(inv_k, (1.0 / scale).reshape(1))
 
 
-def _check_block(x, square, pow2, transposed=True):
+def _check_block(x, square, pow2, transposed=True, dtype=E4M3):
     with kernels.use("triton"):
-        got = C.cast_block(x, square, pow2, transposed)
-    want = C.cast_block_ref(x, square, pow2, transposed)
+        got = C.cast_block(x, square, pow2, transposed, dtype)
+    want = C.cast_block_ref(x, square, pow2, transposed, dtype)
     for g, w in zip(got, want):
         if w is None:
             assert g is None
@@ -158,10 +158,11 @@ def test_pow2_scales_are_powers_of_two():
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_gpu_cast_tensor_bit_exact(dtype, xdtype):
-    # row counts that are and are not multiples of 16 (the transposed copy is a layout change of the
-    # fp8 tile: shapes that once met a Triton layout bug)
+    # row counts that are and are not multiples of 16, and strided rows (the transposed copy: from
+    # the tile in registers for 16-bit inputs, re-loaded for fp32 ones, see fp8_cast._store_t)
     for shape in [(1000, 4100), (128, 128), (16, 64), (48, 640), (2064, 384)]:
         _check_tensor(_x(shape, xdtype, device="cuda"), dtype)
+    _check_tensor(_x((130, 300), xdtype, device="cuda", noncontig=True), dtype)
     x = _edge_values(dtype).reshape(1, -1).cuda()
     q1, _ = C.cast_tensor(x, torch.ones(1, device="cuda"), dtype)
     q2, _ = C.cast_tensor_ref(x, torch.ones(1, device="cuda"), dtype)
@@ -169,13 +170,17 @@ def test_gpu_cast_tensor_bit_exact(dtype, xdtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("square", [False, True], ids=["1x128", "128x128"])
 @pytest.mark.parametrize("pow2", [False, True], ids=["exact", "pow2"])
-def test_gpu_cast_block_bit_exact(square, pow2, xdtype):
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_gpu_cast_block_bit_exact(square, pow2, xdtype, dtype):
+    # the transposed copies come from the tile in registers for 16-bit inputs and from a transposed
+    # re-load for fp32 ones (fp8_cast._store_t): every input dtype, both FP8 formats, strided rows
     for shape in [(1000, 4100), (256, 384), (48, 384), (2064, 640)]:
-        _check_block(_x(shape, xdtype, device="cuda"), square, pow2)
-        _check_block(_x(shape, xdtype, device="cuda"), square, pow2, transposed=False)
+        _check_block(_x(shape, xdtype, device="cuda"), square, pow2, dtype=dtype)
+        _check_block(_x(shape, xdtype, device="cuda"), square, pow2, transposed=False, dtype=dtype)
+    _check_block(_x((130, 300), xdtype, device="cuda", noncontig=True), square, pow2, dtype=dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
