@@ -189,7 +189,8 @@ if HAS_TRITON:
         if SQUARE:  # the amax in the input's dtype (exact; measured faster here than in fp32)
             scale = _scale_of(tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32), FMAX, POW2)
             x = x.to(tl.float32)
-            tl.store(Q + r64[:, None] * N + c64[None, :], _to_fp8(x, scale, FMAX, Q.dtype.element_ty, SOFT_ROUND), mask=mask)
+            tl.store(Q + r64[:, None] * N + c64[None, :], _to_fp8(x, scale, FMAX, Q.dtype.element_ty, SOFT_ROUND),
+                     mask=mask)
             inv = _inv(scale)
             tl.store(S + bm * stride_s0 + bn * stride_s1, inv)
             if HAS_T:
@@ -203,9 +204,8 @@ if HAS_TRITON:
                      mask=mask)
             if HAS_T:  # column amaxes as row amaxes of the transposed tile (the variant measured fastest)
                 scale_t = _scale_of(tl.max(tl.abs(tl.trans(x)), axis=1), FMAX, POW2)
-                cols_t = bn * BLOCK + tl.arange(0, BLOCK)
-                tl.store(ST + cols_t.to(tl.int64) * stride_st0 + bm * stride_st1, _inv(scale_t), mask=cols_t < N)
-                _store_t(QT, X, x, scale_t[:, None], rows, cols_t, M, N, stride_x, FMAX, SOFT_ROUND)
+                tl.store(ST + c64 * stride_st0 + bm * stride_st1, _inv(scale_t), mask=cols < N)
+                _store_t(QT, X, x, scale_t[:, None], rows, cols, M, N, stride_x, FMAX, SOFT_ROUND)
 
 
 # ---- shared pieces of launchers and refs
