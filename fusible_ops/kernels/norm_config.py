@@ -38,9 +38,12 @@ _BWD_RMS_DXE_MIN_N = 4097  # RMSNorm with dxsum_extra from here: _BWD_FEW_WARPS 
 # 4096 123.2 -> 105.1 / 158.3 -> 132.5; 8192 255.9 -> 201.6)
 _BWD_LN_NARROW_MAX_N = 512  # LayerNorm without dxsum_extra up to here: _BWD_FEW_WARPS (256 21.6 -> 15.0,
 # 512 28.2 -> 24.7); wider, 16 / 16 (768 35.7 -> 32.1, 1024 39.5 -> 36.1, 8192 272.2 -> 241.6)
-_BWD_LN_DXE_MIN_N = 1024  # LayerNorm with dxsum_extra from here (narrower: 16 / 16 without prefetch;
-_BWD_LN_DXE_MID_MAX_N = 2048  # 16 / 16 with it was slower) up to here _BWD_LN_DXE_MID (1024 54.2 -> 44.9,
-_BWD_LN_DXE_MID = (16, 12)  # 2048 87.4 -> 79.3), then _BWD_FEW_WARPS (4096 163.8 -> 154.7, 6144 279.8 -> 260.3)
+_BWD_LN_DXE_MIN_N = 1024  # LayerNorm with dxsum_extra from here
+_BWD_LN_DXE_MID_MAX_N = 2048  # up to here _BWD_LN_DXE_MID (1024 54.2 -> 44.9,
+_BWD_LN_DXE_MID = (16, 12)  # 2048 87.4 -> 79.3), then _BWD_FEW_WARPS (4096 163.8 -> 154.7, 6144 279.8 -> 260.3);
+# narrower, _BWD_FEW_WARPS too (end to end: residual + extra output + LayerNorm, H100, 2026-11-26,
+# against the 16 / 16 without prefetch it ran before: 256 41.5 -> 35.0, 512 67.6 -> 57.8, 768 93.5
+# -> 85.1; 16 / 16 with prefetch was slower there: 50.3 / 66.8 / 96.0)
 _BWD_DB_COLSUM_MIN_N = 8193  # n >= this: dbias is a separate fp32 column sum of dy (torch), the kernel keeps
 # only dweight partials live (H200 LayerNorm bwd 8192 x 16384: 325 us, 345 with dbias partials). A
 # "halves" variant (half a row at a time) served LayerNorm at 8193-16384 columns until 2026-11-26: the
@@ -75,9 +78,7 @@ def _bwd_choice(n: int, is_rms: bool, has_dxe: bool) -> tuple[int, int, bool]:
     if is_rms:
         return (*(_BWD_FEW_WARPS if has_dxe and n >= _BWD_RMS_DXE_MIN_N else general), True)
     if has_dxe:
-        if n < _BWD_LN_DXE_MIN_N:
-            return (*general, False)
-        return (*(_BWD_LN_DXE_MID if n <= _BWD_LN_DXE_MID_MAX_N else _BWD_FEW_WARPS), True)
+        return (*(_BWD_LN_DXE_MID if _BWD_LN_DXE_MIN_N <= n <= _BWD_LN_DXE_MID_MAX_N else _BWD_FEW_WARPS), True)
     return (*(_BWD_FEW_WARPS if n <= _BWD_LN_NARROW_MAX_N else general), True)
 
 

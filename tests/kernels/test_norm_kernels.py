@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import fusible_ops.kernels as K
 from fusible_ops.kernels import norm as N
 from fusible_ops.kernels import norm_config as NC
-from fusible_ops.kernels.launch import as_rows, row_align
+from fusible_ops.kernels.launch import as_rows, clear_geometry_caches, row_align
 from fusible_ops.testing import assert_close, assert_close_norm
 
 EPS = 1e-5
@@ -379,24 +379,30 @@ def test_bwd_prefetch_rule():
     pf = lambda n, rms, dxe: NC._bwd_config(n, 16384, rms, dxe)[5]  # noqa: E731
     for n in (256, 1024, 2048, 4096, 8192):
         assert pf(n, True, False) and pf(n, True, True) and pf(n, False, False)
-    assert pf(1024, False, True) and pf(6144, False, True)
-    assert not pf(512, False, True)  # LayerNorm with dxsum_extra below 1024 columns (not measured)
+    assert pf(256, False, True) and pf(1024, False, True) and pf(6144, False, True)
+    assert NC._bwd_choice(512, False, True) == (*NC._BWD_FEW_WARPS, True)  # LayerNorm + dxsum_extra
+    assert NC._bwd_choice(1024, False, True) == (*NC._BWD_LN_DXE_MID, True)
     assert not pf(12288, True, False) and not pf(12288, False, False)  # RELOAD
     assert not pf(32768, True, False)  # sliced
 
 
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
 @pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
-def test_triton_interpreter_bwd_prefetch(monkeypatch, rms):
-    """The fused backward's loops (each tile loaded one iteration early, or in its own iteration:
-    LayerNorm with dxsum_extra below 1024 columns) match float64 math, on shapes whose programs
-    walk several tiles (the last prefetch is past the end)."""
+def test_triton_interpreter_bwd_prefetch(monkeypatch, rms, prefetch):
+    """The fused backward's loops (each tile loaded one iteration early, or in its own iteration)
+    match float64 math, on shapes whose programs walk several tiles (the last prefetch is past the
+    end)."""
     monkeypatch.setattr(NC, "_TILE", 32)  # row tiles of a few rows,
     monkeypatch.setattr(NC, "_BWD_PROGS_PER_SM", 1)  # two programs (interpreter): each walks many tiles
+    choice = NC._bwd_choice
+    monkeypatch.setattr(NC, "_bwd_choice", lambda n, is_rms, has_dxe: (*choice(n, is_rms, has_dxe)[:2], prefetch))
+    clear_geometry_caches()
     for shape in [(37, 3), (9, 33), (2, 3, 24)]:
-        assert NC._bwd_config(shape[-1], 4, rms, False)[5]
-        assert NC._bwd_config(shape[-1], 4, rms, True)[5] == rms
+        assert NC._bwd_config(shape[-1], 4, rms, False)[5] == prefetch
+        assert NC._bwd_config(shape[-1], 4, rms, True)[5] == prefetch
         _check_norm(shape, torch.bfloat16, torch.float32, True, False, True, True, "rows", rms=rms)
         _check_norm(shape, torch.float16, None, False, True, True, not rms, None, rms=rms)
+    clear_geometry_caches()
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
