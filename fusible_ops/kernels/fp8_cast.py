@@ -168,6 +168,21 @@ if HAS_TRITON:
         tl.store(HIST + r, first)
 
     @triton.jit
+    def _scale_once(P, stride, start, n, FMAX: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr):
+        # The amaxes at P + (start + i) * stride (i < BLOCK, start + i < n), stored by the caller,
+        # re-read with one entry per thread: scale = FMAX / amax computed once each, 1 / scale
+        # written over the amax. Returns the scales. The barriers order the caller's stores (the
+        # threads holding a row's amax need not be the thread that reads it) and the reads before
+        # the overwrite.
+        idx = start + tl.arange(0, BLOCK)
+        ptr = P + idx.to(tl.int64) * stride
+        tl.debug_barrier()
+        scale = _scale_of(tl.load(ptr, mask=idx < n, other=0.0), FMAX, POW2)
+        tl.debug_barrier()
+        tl.store(ptr, _inv(scale), mask=idx < n)
+        return scale
+
+    @triton.jit
     def _cast_block_kernel(
         X, Q, S, QT, ST,  # X [M, N]; Q [M, N]; S scale_inv; QT [N, M]; ST its scale_inv
         M, N, stride_x, stride_s0, stride_s1, stride_st0, stride_st1,
@@ -196,16 +211,27 @@ if HAS_TRITON:
             if HAS_T:
                 tl.store(ST + bn * stride_st0 + bm * stride_st1, inv)
                 _store_t(QT, X, x, scale, rows, cols, M, N, stride_x, FMAX, SOFT_ROUND)
-        else:
+        elif not HAS_T:
             x = x.to(tl.float32)
             scale = _scale_of(tl.max(tl.abs(x), axis=1), FMAX, POW2)
             tl.store(S + r64 * stride_s0 + bn * stride_s1, _inv(scale), mask=rows < M)
             tl.store(Q + r64[:, None] * N + c64[None, :], _to_fp8(x, scale[:, None], FMAX, Q.dtype.element_ty, SOFT_ROUND),
                      mask=mask)
-            if HAS_T:  # column amaxes as row amaxes of the transposed tile (the variant measured fastest)
-                scale_t = _scale_of(tl.max(tl.abs(tl.trans(x)), axis=1), FMAX, POW2)
-                tl.store(ST + c64 * stride_st0 + bm * stride_st1, _inv(scale_t), mask=cols < N)
-                _store_t(QT, X, x, scale_t[:, None], rows, cols, M, N, stride_x, FMAX, SOFT_ROUND)
+        else:
+            # One scale per row and, for QT, per column: the column amaxes as row amaxes of the
+            # transposed tile, QT a row-wise cast of it. Every thread holding a row or column would
+            # compute its scale (48 correctly rounded divisions per thread at 4 warps), so the
+            # amaxes go to the scale outputs first and are re-read one per thread; each scale is
+            # computed once and its inverse overwrites the amax.
+            x = x.to(tl.float32)
+            xt = tl.trans(x)
+            tl.store(S + r64 * stride_s0 + bn * stride_s1, tl.max(tl.abs(x), axis=1), mask=rows < M)
+            tl.store(ST + c64 * stride_st0 + bm * stride_st1, tl.max(tl.abs(xt), axis=1), mask=cols < N)
+            scale = _scale_once(S + bn * stride_s1, stride_s0, bm * BLOCK, M, FMAX, POW2, BLOCK)
+            scale_t = _scale_once(ST + bm * stride_st1, stride_st0, bn * BLOCK, N, FMAX, POW2, BLOCK)
+            tl.store(Q + r64[:, None] * N + c64[None, :], _to_fp8(x, scale[:, None], FMAX, Q.dtype.element_ty, SOFT_ROUND),
+                     mask=mask)
+            _store_t(QT, X, x, scale_t[:, None], rows, cols, M, N, stride_x, FMAX, SOFT_ROUND)
 
 
 # ---- shared pieces of launchers and refs
