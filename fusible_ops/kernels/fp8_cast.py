@@ -222,15 +222,15 @@ if HAS_TRITON:
             # transposed tile, QT a row-wise cast of it. Every thread holding a row or column would
             # compute its scale (48 correctly rounded divisions per thread at 4 warps), so the
             # amaxes go to the scale outputs first and are re-read one per thread; each scale is
-            # computed once and its inverse overwrites the amax.
+            # computed once and its inverse overwrites the amax. Q goes out before the column
+            # amaxes are taken (measured 1-2% faster than both scale vectors first).
             x = x.to(tl.float32)
-            xt = tl.trans(x)
             tl.store(S + r64 * stride_s0 + bn * stride_s1, tl.max(tl.abs(x), axis=1), mask=rows < M)
-            tl.store(ST + c64 * stride_st0 + bm * stride_st1, tl.max(tl.abs(xt), axis=1), mask=cols < N)
             scale = _scale_once(S + bn * stride_s1, stride_s0, bm * BLOCK, M, FMAX, POW2, BLOCK)
-            scale_t = _scale_once(ST + bm * stride_st1, stride_st0, bn * BLOCK, N, FMAX, POW2, BLOCK)
             tl.store(Q + r64[:, None] * N + c64[None, :], _to_fp8(x, scale[:, None], FMAX, Q.dtype.element_ty, SOFT_ROUND),
                      mask=mask)
+            tl.store(ST + c64 * stride_st0 + bm * stride_st1, tl.max(tl.abs(tl.trans(x)), axis=1), mask=cols < N)
+            scale_t = _scale_once(ST + bm * stride_st1, stride_st0, bn * BLOCK, N, FMAX, POW2, BLOCK)
             _store_t(QT, X, x, scale_t[:, None], rows, cols, M, N, stride_x, FMAX, SOFT_ROUND)
 
 
