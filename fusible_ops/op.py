@@ -113,6 +113,11 @@ class FusibleOperation(torch.nn.Module):
     (:mod:`fusible_ops.replay`; the recording checks each of these and keeps a call that breaks
     one on the Python path)."""
 
+    def __init__(self) -> None:
+        # (torch.nn.Module's own signature is ``(*args, **kwargs)``: ops without parameters of
+        # their own inherit this one, so ``help(fo.SwiGLU)`` shows ``SwiGLU()``)
+        super().__init__()
+
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
         self._bump_state_version()
