@@ -35,11 +35,9 @@ import argparse
 import csv
 import dataclasses
 import datetime
-import gc
 import json
 import math
 import os
-import platform
 import sys
 import time
 import traceback
@@ -47,6 +45,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .common import device_name, free_memory, log as _log, pin_to_one_core, versions as _versions
 from .timing import Timer, Timing, n_copies_for
 
 DEFAULT_WARMUP_MS = 200.0
@@ -122,24 +121,6 @@ def _time_mm(device: torch.device, timer: Timer, n: int) -> Timing:
     return timer.time(lambda i: torch.mm(a, b, out=c))
 
 
-def pin_to_one_core(device: torch.device, enabled: bool) -> str:
-    """``--pin`` (CUDA, Linux): run this process on one CPU core, for steadier host times (on CPU
-    the math's intra-op threads would share that core, so it is not done there). Returns a note
-    for the report (empty when not pinned)."""
-    if not enabled or device.type != "cuda" or not hasattr(os, "sched_setaffinity"):
-        return ""
-    core = max(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {core})
-    return f", pinned to CPU {core}"
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
 # ----------------------------------------------------------------------------------- correctness
 def rel_norm_err(actual: Optional[torch.Tensor], expected: Optional[torch.Tensor]) -> float:
     """||actual - expected|| / ||expected|| in fp32 (None counts as zeros; 0/0 is 0)."""
@@ -163,22 +144,6 @@ def rel_norm_err(actual: Optional[torch.Tensor], expected: Optional[torch.Tensor
 
 
 # ------------------------------------------------------------------------------------------ rows
-def _versions() -> tuple[str, str]:
-    try:
-        import triton
-
-        tv = triton.__version__
-    except Exception:  # pragma: no cover
-        tv = "none"
-    return torch.__version__, tv
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)"
-
-
 def _fmt(v: Any, nd: int = 3) -> str:
     if v is None or v == "":
         return ""
@@ -251,10 +216,6 @@ def write_outputs(rows: list[dict], out_dir: str, stamp: str, table: str) -> dic
 
 
 # ------------------------------------------------------------------------------------------- run
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def _short_err(e: BaseException) -> str:
     s = f"{type(e).__name__}: {e}".replace("\n", " ")
     return s[:300]

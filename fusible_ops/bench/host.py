@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import fusible_ops as fo
 
-from .harness import _log, device_name, free_memory, pin_to_one_core
+from .common import device_name, free_memory, log as _log, pin_to_one_core
 from .timing import Timer, percentile
 
 

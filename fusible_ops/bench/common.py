@@ -1,0 +1,49 @@
+"""Helpers shared by the benchmark modules (below :mod:`.harness` and :mod:`.host`, which both use
+them): logging, the device's name, versions, freeing memory between cases, pinning to one core."""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import sys
+
+import torch
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def versions() -> tuple[str, str]:
+    try:
+        import triton
+
+        tv = triton.__version__
+    except Exception:  # pragma: no cover
+        tv = "none"
+    return torch.__version__, tv
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)"
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def pin_to_one_core(device: torch.device, enabled: bool) -> str:
+    """``--pin`` (CUDA, Linux): run this process on one CPU core, for steadier host times (on CPU
+    the math's intra-op threads would share that core, so it is not done there). Returns a note
+    for the report (empty when not pinned)."""
+    if not enabled or device.type != "cuda" or not hasattr(os, "sched_setaffinity"):
+        return ""
+    core = max(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {core})
+    return f", pinned to CPU {core}"
