@@ -243,9 +243,10 @@ if HAS_TRITON:
                          wgrad_config(64, 64, 64, 4, 3)]
     _MM_KEY = ["N", "K", "USE_TMA", "HAS_BIAS"]
     _WG_KEY = ["N", "K", "USE_TMA", "ACCUMULATE"]
-    MM_KERNEL = TunedKernel(_fp8_ggemm_kernel, _MM_CONFIGS, _MM_KEY, (_MM_CONFIGS[0], _MM_CONFIGS[5]), INTERP_MN)
+    MM_KERNEL = TunedKernel(_fp8_ggemm_kernel, _MM_CONFIGS, _MM_KEY, (_MM_CONFIGS[0], _MM_CONFIGS[5]), INTERP_MN,
+                            fit={"N": "BN", "K": "BK"})
     WGRAD_KERNEL = TunedKernel(_fp8_ggemm_wgrad_kernel, _WG_CONFIGS, _WG_KEY, (_WG_CONFIGS[0], _WG_CONFIGS[5]),
-                               INTERP_WG, restore_value=["out_ptr"])
+                               INTERP_WG, restore_value=["out_ptr"], fit={"N": "BN", "K": "BK"})
     MM_BLOCK_KERNEL = TunedKernel(_fp8_ggemm_kernel, _MM_BLOCK_CONFIGS, _MM_KEY,
                                   (_MM_BLOCK_CONFIGS[0], _MM_BLOCK_CONFIGS[0]), INTERP_MN)
     WGRAD_BLOCK_KERNEL = TunedKernel(_fp8_ggemm_wgrad_kernel, _WG_BLOCK_CONFIGS, _WG_KEY,

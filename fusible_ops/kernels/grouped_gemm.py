@@ -135,9 +135,11 @@ if HAS_TRITON:
     # fixed configs (autotuning off): (16-bit inputs, fp32 inputs)
     _COLSUM = DirectKernel(_group_colsum_kernel)
     MN_KERNEL = TunedKernel(_ggemm_kernel, _MN_CONFIGS, ["NOUT", "KIN", "USE_TMA", "B_KMAJOR", "HAS_BIAS"],
-                            (mn_config(128, 128, 64, 8, 4), _MN_CONFIGS[5]), INTERP_MN)
+                            (mn_config(128, 128, 64, 8, 4), _MN_CONFIGS[5]), INTERP_MN,
+                            fit={"NOUT": "BN", "KIN": "BK"})
     WGRAD_KERNEL = TunedKernel(_ggemm_wgrad_kernel, _WG_CONFIGS, ["N", "K", "USE_TMA", "ACCUMULATE"],
-                               (_WG_CONFIGS[3], _WG_CONFIGS[5]), INTERP_WG, restore_value=["out_ptr"])
+                               (_WG_CONFIGS[3], _WG_CONFIGS[5]), INTERP_WG, restore_value=["out_ptr"],
+                               fit={"N": "BN", "K": "BK"})
 
 
 def _launch_mn(a, b, c, bias, split, nout, kin, s_bk, s_bn, b_kmajor):

@@ -410,6 +410,15 @@ AUTOTUNE = os.environ.get("FUSIBLE_OPS_GGEMM_AUTOTUNE", "1") != "0"
 no tuning pass, e.g. for tests."""
 
 
+def fit_configs(configs: Sequence, fit: dict, sizes: dict) -> list:
+    """The configs whose tiles fit the problem: for each ``size name -> tile meta-parameter`` of
+    ``fit``, the tile is at most ``max(next_pow2(size), the smallest such tile in configs)``.
+    Never empty (the smallest tiles always fit)."""
+    limits = {meta: max(next_pow2(int(sizes[arg])), min(c.kwargs[meta] for c in configs))
+              for arg, meta in fit.items()}
+    return [c for c in configs if all(c.kwargs[m] <= lim for m, lim in limits.items())]
+
+
 class TunedKernel:
     """A ``@triton.jit`` kernel with three ways to pick its meta-parameters.
 
@@ -421,13 +430,26 @@ class TunedKernel:
 
     ``grid`` passed to :meth:`launch` is a function of the chosen meta-parameters. The tuning key
     is the values of the ``key`` arguments plus the dtypes of the tensor arguments (as Triton's).
+
+    ``fit`` maps a size argument to the tile meta-parameter that spans it (e.g. ``{"N": "BN"}``):
+    before tuning a key, configs whose tile exceeds that size's next power of two (and the
+    smallest tile of the list) are dropped (:func:`fit_configs`). Their extra rows or columns are
+    masked work, so they cannot win; where one config is left, Triton compiles only it and times
+    nothing (tiny problems, e.g. the 8-feature experts of the distributed tests, tuned 6 configs
+    per GEMM before).
     """
 
     def __init__(self, kernel, configs: Sequence, key: Sequence[str], fixed: tuple, interp_meta: dict,
-                 restore_value: Optional[Sequence[str]] = None) -> None:
+                 restore_value: Optional[Sequence[str]] = None, fit: Optional[dict] = None) -> None:
         self.kernel = kernel
         self.configs = list(configs)
-        self.tuned = triton.autotune(self.configs, key=list(key), restore_value=list(restore_value or ()))(kernel)
+        prune = None
+        if fit:
+            def prune(configs, named_args, **kwargs):
+                return fit_configs(configs, fit, {**named_args, **kwargs})
+            prune = {"early_config_prune": prune}
+        self.tuned = triton.autotune(self.configs, key=list(key), restore_value=list(restore_value or ()),
+                                     prune_configs_by=prune)(kernel)
         self.direct = DirectKernel(kernel)
         self.fixed = fixed
         self.interp_meta = dict(interp_meta)
@@ -541,6 +563,7 @@ class TunedKernel:
 
 
 __all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "RECORDER", "TRITON_DTYPES", "DirectKernel", "TunedKernel", "arg_classes", "as_rows",
-           "cast_to", "cdiv", "clear_geometry_caches", "compute_dtype", "contiguous_or", "dot_precision", "elementwise_config", "generic_key",
+           "cast_to", "cdiv", "clear_geometry_caches", "compute_dtype", "contiguous_or", "dot_precision", "elementwise_config",
+           "fit_configs", "generic_key",
            "geometry_cache",
            "kernel_op", "needs_int64", "next_pow2", "num_sms", "placeholder", "remember", "row_align"]

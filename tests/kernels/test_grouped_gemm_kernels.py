@@ -405,3 +405,22 @@ def test_launch_cdiv_and_next_pow2_match_triton():
         assert launch.next_pow2(a) == triton.next_power_of_2(a)
         for b in (1, 3, 16, 128):
             assert launch.cdiv(a, b) == triton.cdiv(a, b)
+
+
+# ------------------------------------------------------------------- tuning: configs that fit
+@pytest.mark.skipif(gg.triton is None, reason="needs triton")
+def test_autotuning_keeps_only_configs_whose_tiles_fit_the_problem():
+    """Tiny feature sizes leave one config (compiled alone, nothing timed); sizes of a tile or more
+    keep the whole list. The autotuners of the grouped GEMMs carry the prune."""
+    mn, wg = gg.MN_KERNEL, gg.WGRAD_KERNEL
+    fit_mn = {"NOUT": "BN", "KIN": "BK"}
+    tiny = launch.fit_configs(mn.configs, fit_mn, {"NOUT": 12, "KIN": 8})
+    assert [(c.kwargs["BN"], c.kwargs["BK"]) for c in tiny] == [(64, 32)]
+    assert launch.fit_configs(mn.configs, fit_mn, {"NOUT": 4096, "KIN": 7168}) == mn.configs
+    mid = launch.fit_configs(mn.configs, fit_mn, {"NOUT": 100, "KIN": 64})  # BN <= 128, BK <= 64
+    assert mid and all(c.kwargs["BN"] <= 128 and c.kwargs["BK"] <= 64 for c in mid) and len(mid) < len(mn.configs)
+    wtiny = launch.fit_configs(wg.configs, {"N": "BN", "K": "BK"}, {"N": 6, "K": 8})
+    assert len(wtiny) == 1
+    for kernel, sizes in ((mn, {"NOUT": 12, "KIN": 8}), (wg, {"N": 6, "K": 8})):
+        prune = kernel.tuned.early_config_prune
+        assert prune is not None and len(prune(kernel.configs, sizes)) == 1
