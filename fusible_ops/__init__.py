@@ -8,6 +8,7 @@ Chain basic ops in a :class:`Sequential`; its fuser replaces runs of adjacent op
 from . import kernels
 from .errors import check_errors, device_checks, set_device_checks
 from .fuser import OperationFuser
+from . import fuser_routing, replay  # (built on the fuser: importing them registers their plan extensions)
 from .grad import delayed_wgrad, flush_wgrad
 from .graphs import make_graphed_callables
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
@@ -35,6 +36,6 @@ __all__ = [
     "FusibleOperation", "FusionContext", "GEGLU", "GELU", "GroupedLinear", "Identity", "LayerNorm", "Linear",
     "MakeExtraOutput", "OperationContext", "OperationFuser", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "RMSNorm", "RuleSet",
     "ScaledSwiGLU", "SiLU", "Sequential", "SwiGLU", "check_errors", "delayed_wgrad", "device_checks", "flush_wgrad", "fusion_rules", "kernels", "make_graphed_callables",
-    "match", "parallel", "register_fusion", "set_device_checks",
+    "match", "parallel", "register_fusion", "set_device_checks", "fuser_routing", "replay",
     "Combine", "Dispatch", "Router",
 ]

@@ -13,6 +13,10 @@ steady-state call computes the key and finds its plan: no pattern matching happe
 Parameters are resolved by name on every call (``getattr(owner, name)``), so
 ``torch.func.functional_call``, parametrizations and reassigned parameters are what the ops
 compute with, and autograd routes their gradients.
+
+The layers built on the fuser (MoE routing: :mod:`fusible_ops.fuser_routing`; C++ replay:
+:mod:`fusible_ops.replay`) join in its planning through the plan extensions they register when
+imported (:mod:`fusible_ops.fuser_extensions`); this module imports neither them nor the ops.
 """
 
 from __future__ import annotations
@@ -20,25 +24,28 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch.nn.utils import parametrize
 
+from .fuser_extensions import extensions_for
+from .fuser_params import check_param_grads as _check_param_grads
 from .fuser_params import distinct as _distinct
 from .fuser_params import grad_quantizer as _grad_quantizer
 from .fuser_params import input_quantizer as _input_quantizer
 from .fuser_params import reader as _reader
-from .fuser_routing import RoutedSteps, routing_layout
 from .grad import check_flagged_ops, contract_weights, gate_weights, scheduler_active, watch_plain_weights
 from .kernels import current_mode, set_mode
 from .op import STATE_EPOCH as _STATE_EPOCH
-from .op import BasicOperation, OperationContext
+from .op import BasicOperation, OperationContext, set_fuser_factory
 from .quantization.recipes import current_recipe
 from .quantization.tensor import Float8Tensor
-from .replay import Replayer, replayer_for
 from .rules import Decline, FusionContext, Group, RuleSet, disabled_key, global_rules, plan_pass
+
+if TYPE_CHECKING:
+    from .replay import Replayer
 
 CPU_AUTOGRAD = os.environ.get("FUSIBLE_OPS_CPU_AUTOGRAD", "1") != "0"
 """Run CPU training calls under PyTorch's own autograd where every forward step allows it
@@ -105,7 +112,8 @@ class Plan:
     gated_all: Optional[tuple] = None
     device_type: str = "cpu"  # of the calls this plan serves (part of the key)
     # CUDA training plan whose steps are all ``replayable`` (no flagged weights, no FP8, no extra
-    # outputs): its calls are replayed from C++ (fusible_ops.replay.Replayer), else None
+    # outputs): its calls are replayed from C++ (fusible_ops.replay.Replayer, set by replay's plan
+    # extension), else None
     replay: Optional[Replayer] = None
 
     def __post_init__(self) -> None:
@@ -172,9 +180,11 @@ class OperationFuser:
                 raise TypeError(f"OperationFuser takes basic ops, got {type(op).__name__}")
         self.ops = ops
         self.rules = rules
-        # MoE routing (Router -> Dispatch -> routed GroupedLinears -> Combine): found once, here.
-        # None for every other chain: then nothing on the per-call path differs.
-        self._routing = routing_layout(ops)
+        # The plan extensions' layouts of these ops and their per-plan hooks, found once, here.
+        # ``_routing``: the layout of the one that runs the steps itself, MoE routing (Router ->
+        # Dispatch -> routed GroupedLinears -> Combine); None for every other chain: then nothing on
+        # the per-call path differs.
+        self._routing, self._plan_hooks = extensions_for(ops)
         if self._routing is None:
             self._num_extra_inputs = [op.num_extra_inputs for op in ops]
         else:  # routed ops get their extra inputs (split sizes) from the routing, not the caller
@@ -337,11 +347,10 @@ class OperationFuser:
         )
         if plan.gated_all is not None and (plan.gated is None or len(plan.gated[0]) < len(plan.gated_all[0])):
             watch_plain_weights(self)  # plain-mode weights left ungated: delayed_wgrad() hooks them
-        if self._routing is not None:
-            RoutedSteps(plan, ops, self._routing).install()
-        else:
+        if self._routing is None:  # (else the extension running the steps installs them: its hook comes first)
             plan.compile_steps(ops)
-        plan.replay = replayer_for(self, plan, x.device.type, len(extra_inputs), base["recipe"])
+        for hook, layout in self._plan_hooks:  # (MoE routing's steps, C++ replay's plan.replay)
+            hook(self, plan, layout, len(extra_inputs), base["recipe"])
         return plan
 
     def _split_extra(self, extra_inputs: Sequence) -> list[tuple]:
@@ -584,16 +593,6 @@ def _run_forward(fuser: OperationFuser, plan: Plan, ctxs: list, x: torch.Tensor,
     return y, extra_outputs
 
 
-def _check_param_grads(step, op, got, expected: tuple) -> None:
-    """A step's parameter gradients for ``op`` have one entry per parameter of the op (the
-    caller compares the lengths first: this raises)."""
-    if len(got) != len(expected):
-        raise RuntimeError(
-            f"{type(step).__name__}'s backward returned {len(got)} param grads for "
-            f"{type(op).__name__}, which has {len(expected)} parameters"
-        )
-
-
 # ``_FuserFunction.apply`` is a Python classmethod that, when no functorch transform is active,
 # unwraps dead functorch wrappers and calls the C++ apply. Eager calls do exactly that here without
 # its other per-call work; traced calls (torch.compile) and functorch transforms go through it.
@@ -602,3 +601,4 @@ _unwrap = torch._C._functorch.unwrap_if_dead
 _transforms_active = torch._C._are_functorch_transforms_active
 _is_compiling = torch.compiler.is_compiling
 _new_object = object.__new__
+set_fuser_factory(OperationFuser)  # (what FusibleOperation.own_fuser builds: op.py imports nothing above it)

@@ -1,6 +1,7 @@
 """Per-call helpers of :class:`~fusible_ops.fuser.OperationFuser` (kept apart so the fuser stays
 one screenful of planning and running): how each parameter is read, how repeated tensors reach
-the autograd function, and the quantizer hand-off told about weight gradients."""
+the autograd function, the quantizer hand-off told about weight gradients, and the check of a
+step's parameter gradients."""
 
 from __future__ import annotations
 
@@ -64,4 +65,14 @@ def _told(q, weight_grad: bool):
     return q
 
 
-__all__ = ["distinct", "grad_quantizer", "input_quantizer", "reader"]
+def check_param_grads(step, op, got, expected: tuple) -> None:
+    """A step's parameter gradients for ``op`` have one entry per parameter of the op (the
+    caller compares the lengths first: this raises)."""
+    if len(got) != len(expected):
+        raise RuntimeError(
+            f"{type(step).__name__}'s backward returned {len(got)} param grads for "
+            f"{type(op).__name__}, which has {len(expected)} parameters"
+        )
+
+
+__all__ = ["check_param_grads", "distinct", "grad_quantizer", "input_quantizer", "reader"]

@@ -1,25 +1,21 @@
 """MoE routing inside a fuser: the whole plan run as one step (see :class:`RoutedSteps`).
 
-Kept apart from :mod:`fusible_ops.fuser`, which calls :func:`routing_layout` once per fuser and,
-for a fuser holding routing ops, :meth:`RoutedSteps.install` once per plan.
+Built on the fuser and the MoE ops, which :mod:`fusible_ops.fuser` does not import: this module
+registers a plan extension (:mod:`fusible_ops.fuser_extensions`) when it is imported (``import
+fusible_ops`` imports it). Through it a fuser calls :func:`routing_layout` once, when it is built,
+and, for a fuser holding routing ops, :meth:`RoutedSteps.install` once per plan.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .fuser_extensions import PlanExtension, register_plan_extension
+from .ops.moe import routing_layout
 from .quantization.tensor import Float8Tensor
 
 if TYPE_CHECKING:
     from .fuser import Plan
-
-
-def routing_layout(ops):
-    """:func:`fusible_ops.ops.moe.routing_layout` (the MoE routing layout of ``ops``, or None when no
-    op has a ``routing_role``), imported on first use: the ops import this package."""
-    from .ops.moe import routing_layout as layout
-
-    return layout(ops)
 
 
 class RoutedSteps:
@@ -90,5 +86,14 @@ class RoutedSteps:
                 ctxs[i].release()
         return (dy if self.complete else None), param_grads, grad_extra_in
 
+
+def _install(fuser, plan: "Plan", layout, n_extra: int, recipe) -> None:
+    """The plan extension's hook: a routed fuser's new plan runs as one :class:`RoutedSteps`."""
+    RoutedSteps(plan, fuser.ops, layout).install()
+
+
+# routing_layout (:func:`fusible_ops.ops.moe.routing_layout`): the MoE routing layout of a fuser's
+# ops, or None when no op has a ``routing_role`` (then the fuser's plans are not routed).
+register_plan_extension(PlanExtension("moe_routing", _install, layout=routing_layout, runs_steps=True))
 
 __all__ = ["RoutedSteps", "routing_layout"]

@@ -38,7 +38,7 @@ What must hold (the contract)
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -85,6 +85,17 @@ class OperationContext:
 
 STATE_EPOCH = [0]
 """Bumped with every op's ``state_version``: a fuser re-reads its ops' versions only when it moved."""
+
+_fuser_factory: Optional[Callable[[list], Any]] = None
+
+
+def set_fuser_factory(factory: Callable[[list], Any]) -> None:
+    """Make ``factory(basic_ops)`` build the fuser that runs a module called directly
+    (:meth:`FusibleOperation.own_fuser`). :mod:`fusible_ops.fuser` registers
+    :class:`~fusible_ops.fuser.OperationFuser` when it is imported (``import fusible_ops`` imports
+    it), so this module, the contracts, imports nothing above it."""
+    global _fuser_factory
+    _fuser_factory = factory
 
 
 class FusibleOperation(torch.nn.Module):
@@ -171,9 +182,10 @@ class FusibleOperation(torch.nn.Module):
         """The fuser that runs this module's basic ops when it is called directly."""
         fuser = self.__dict__.get("_self_fuser")
         if fuser is None:
-            from .fuser import OperationFuser  # local import: fuser depends on this module
-
-            fuser = OperationFuser(list(self.basic_ops))
+            if _fuser_factory is None:
+                raise RuntimeError(f"{type(self).__name__}: no fuser is registered to run it (fusible_ops.fuser "
+                                   f"registers OperationFuser when imported: import fusible_ops)")
+            fuser = _fuser_factory(list(self.basic_ops))
             self.__dict__["_self_fuser"] = fuser
         return fuser
 

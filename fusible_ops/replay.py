@@ -26,6 +26,10 @@ op's attributes, and gradients returned to autograd as they are: no plan of an o
 ``main_grad`` or delayed weight gradients is replayed). The recorder checks the first part on the
 recorded call.
 
+Built on the fuser (this module imports it; the fuser does not import this one): the plan
+extension registered here when the module is imported (``import fusible_ops`` imports it) gives
+each new plan its :class:`Replayer` (:func:`replayer_for`), once per plan.
+
 The C++ extension is built with ``torch.utils.cpp_extension`` on the first recording in a process
 (about 30 s the first time; cached on disk by torch). ``FUSIBLE_OPS_REPLAY=0`` (or setting
 :data:`ENABLED` to False), or a build that fails (a warning says why), leaves every call on the
@@ -43,6 +47,8 @@ from typing import Optional, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import fuser as _fuser
+from .fuser_extensions import PlanExtension, register_plan_extension
 from .grad import WeightGradMixin, scheduler_active, watch_plain_weights
 from .kernels import current_mode
 from .kernels import launch as _launch
@@ -370,14 +376,12 @@ def record(fuser, plan, inputs: list, n_extra: int):
     """Record one call of ``plan`` on ``inputs`` (x, the extra inputs, the parameters) and build
     its recipe; None when it cannot be replayed, :data:`RETRY` when a later call may be (the reason
     in ``record.last_failure``)."""
-    from .fuser import _RAW_APPLY, _FuserFunction  # (fuser imports this module)
-
     ext = extension()
     if ext is None:
         record.last_failure = "the C++ extension could not be built"
         return None
     try:
-        return _build(ext, fuser, plan, inputs, n_extra, _RAW_APPLY, _FuserFunction)
+        return _build(ext, fuser, plan, inputs, n_extra, _fuser._RAW_APPLY, _fuser._FuserFunction)
     except _Refuse as e:
         record.last_failure = str(e)
         return RETRY if e.transient else None
@@ -398,12 +402,10 @@ def explain(module) -> list[str]:
     """One line per input geometry that ``module``'s fusers have recorded (a ``Sequential``, a
     fuser, or any module holding them): what its replay runs (allocations, kernels and ATen ops
     per direction), or why it takes the Python path."""
-    from .fuser import OperationFuser
-
-    lines = []
+    lines, fuser_type = [], _fuser.OperationFuser
     for m in module.modules() if isinstance(module, torch.nn.Module) else [module]:
-        fusers = [m] if isinstance(m, OperationFuser) else [
-            s for s, _ in (getattr(m, "_stages", None) or ()) if isinstance(s, OperationFuser)]
+        fusers = [m] if isinstance(m, fuser_type) else [
+            s for s, _ in (getattr(m, "_stages", None) or ()) if isinstance(s, fuser_type)]
         for f in fusers:
             for plan in f._plans.values():
                 if plan.replay is not None:
@@ -479,6 +481,11 @@ def replayer_for(fuser, plan, device_type: str, n_extra: int, recipe) -> Optiona
         # delayed_wgrad() entered around the backward, its hooks deliver them.
         watch_plain_weights(fuser)
     return Replayer(fuser, plan, n_extra)
+
+
+def _attach(fuser, plan, layout, n_extra: int, recipe) -> None:
+    """The plan extension's hook (once per new plan of every fuser): ``plan.replay``."""
+    plan.replay = replayer_for(fuser, plan, plan.device_type, n_extra, recipe)
 
 
 _autocast = torch.is_autocast_enabled
@@ -557,5 +564,7 @@ class Replayer:
         self.replayed += 1
         return outs[0]
 
+
+register_plan_extension(PlanExtension("replay", _attach))
 
 __all__ = ["ENABLED", "RETRY", "Replayer", "explain", "extension", "record", "replayer_for"]
