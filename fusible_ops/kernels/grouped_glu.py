@@ -258,12 +258,16 @@ if HAS_TRITON:
     _BN_MIN = min(c.kwargs["BN"] for c in _DGLU_CONFIGS + _DGLU_FP8_CONFIGS)  # partial-dscales slot width on GPU
     _GLU_KEY = ["F", "K", "USE_TMA", "ACT", "HAS_BIAS", "HAS_SCALE", "GATHER"]
     _DGLU_KEY = ["F", "H", "USE_TMA", "ACT", "HAS_SCALE", "NEED_DS"]
-    GLU_FWD_KERNEL = TunedKernel(_glu_fwd_kernel, _GLU_CONFIGS, _GLU_KEY, (_GLU_CONFIGS[2], _GLU_CONFIGS[5]), INTERP_MN)
-    DGLU_KERNEL = TunedKernel(_dglu_kernel, _DGLU_CONFIGS, _DGLU_KEY, (_DGLU_CONFIGS[2], _DGLU_CONFIGS[5]), INTERP_MN)
+    _GLU_FIT = {"F": "BN", "K": "BK"}  # tiles over the F activated columns; the mainloop runs over K
+    _DGLU_FIT = {"F": "BN", "H": "BK"}  # tiles over F; the mainloop runs over H (dy @ w2)
+    GLU_FWD_KERNEL = TunedKernel(_glu_fwd_kernel, _GLU_CONFIGS, _GLU_KEY, (_GLU_CONFIGS[2], _GLU_CONFIGS[5]), INTERP_MN,
+                                 fit=_GLU_FIT)
+    DGLU_KERNEL = TunedKernel(_dglu_kernel, _DGLU_CONFIGS, _DGLU_KEY, (_DGLU_CONFIGS[2], _DGLU_CONFIGS[5]), INTERP_MN,
+                              fit=_DGLU_FIT)
     GLU_FWD_FP8_KERNEL = TunedKernel(_glu_fwd_kernel, _GLU_FP8_CONFIGS, _GLU_KEY,
-                                     (_GLU_FP8_CONFIGS[0], _GLU_FP8_CONFIGS[0]), INTERP_MN)
+                                     (_GLU_FP8_CONFIGS[0], _GLU_FP8_CONFIGS[0]), INTERP_MN, fit=_GLU_FIT)
     DGLU_FP8_KERNEL = TunedKernel(_dglu_kernel, _DGLU_FP8_CONFIGS, _DGLU_KEY,
-                                  (_DGLU_FP8_CONFIGS[0], _DGLU_FP8_CONFIGS[0]), INTERP_MN)
+                                  (_DGLU_FP8_CONFIGS[0], _DGLU_FP8_CONFIGS[0]), INTERP_MN, fit=_DGLU_FIT)
 
 
 def _act_id(kind: str, scales) -> int:

@@ -421,6 +421,15 @@ def test_autotuning_keeps_only_configs_whose_tiles_fit_the_problem():
     assert mid and all(c.kwargs["BN"] <= 128 and c.kwargs["BK"] <= 64 for c in mid) and len(mid) < len(mn.configs)
     wtiny = launch.fit_configs(wg.configs, {"N": "BN", "K": "BK"}, {"N": 6, "K": 8})
     assert len(wtiny) == 1
-    for kernel, sizes in ((mn, {"NOUT": 12, "KIN": 8}), (wg, {"N": 6, "K": 8})):
+    from fusible_ops.kernels import fp8_grouped_gemm as fg
+    from fusible_ops.kernels import grouped_glu as glu
+
+    for kernel, sizes in ((mn, {"NOUT": 12, "KIN": 8}), (wg, {"N": 6, "K": 8}), (glu.GLU_FWD_KERNEL, {"F": 6, "K": 8}),
+                          (glu.DGLU_KERNEL, {"F": 6, "H": 8}), (fg.MM_KERNEL, {"N": 8, "K": 16}),
+                          (fg.WGRAD_KERNEL, {"N": 8, "K": 16})):
         prune = kernel.tuned.early_config_prune
-        assert prune is not None and len(prune(kernel.configs, sizes)) == 1
+        kept = prune(kernel.configs, sizes)  # the smallest tiles only (one config, but for FP8's BM variants)
+        assert kept and all(c.kwargs[m] == min(d.kwargs[m] for d in kernel.configs)
+                            for c in kept for m in ("BN", "BK")), kernel.kernel.__name__
+        assert len(kept) == 1 or kernel in (fg.MM_KERNEL, fg.WGRAD_KERNEL)
+        assert prune(kernel.configs, {k: 8192 for k in sizes}) == kernel.configs
