@@ -78,30 +78,63 @@ def test_missing_rule_blocks_timing(tmp_path, monkeypatch):
     assert fused["status"].startswith("error") and fused["median_ms"] is None
 
 
-@pytest.mark.gpu
-def test_queue_ahead_times_device_work_alone():
-    """``--queue-ahead``: a call whose host issue far outlasts its device work (a host sleep, then
-    one tiny kernel) is timed at its device time, not its host time, and the spin is calibrated."""
-    import time
+class _FakeCuda:
+    """Stands in for the CUDA calls of :class:`Timer`, logging their order (no GPU needed)."""
 
-    from fusible_ops.bench.timing import Timer
+    def __init__(self, monkeypatch, host_ms: float):
+        self.log = []
+        self.host_ms = host_ms
+        self.now = 0.0
+        log = self.log
 
-    dev = torch.device("cuda")
-    x = torch.randn(1024, device=dev)
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.id = len([e for e in log if e[0] == "new_event"])
+                log.append(("new_event", self.id))
 
-    def host_bound(i):
-        time.sleep(0.002)  # 2 ms on the host
-        x.mul_(1.0)
+            def record(self):
+                log.append(("record", self.id))
 
-    plain = Timer(dev, 5.0, 40.0).time(host_bound)
-    queued = Timer(dev, 5.0, 40.0, queue_ahead=True)
-    t = queued.time(host_bound)
-    assert plain.median_ms > 1.5 and plain.host_ms > 1.5  # events saw the host's 2 ms
-    assert t.host_ms > 1.5 and t.median_ms < 0.5  # the device's own time: one tiny kernel
-    assert queued.spin_cycles_per_ms() > 1e5  # (a GPU clock above 100 MHz)
-    floor = measure_autograd_floor(dev, queued)  # as issued even beside a queued timer: the host's time
-    assert floor.median_ms >= 0.5 * floor.host_ms > 0
-    assert Timer(torch.device("cpu"), 1.0, 1.0, queue_ahead=True).queue_ahead is False
+            def elapsed_time(self, other):
+                return 1.0  # 1 ms between any two events
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("sleep", cycles)))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append(("sync",)))
+
+    def call(self, i):  # a call whose host issue takes host_ms on the (fake) host clock
+        self.log.append(("call", i))
+        self.now += self.host_ms * 1e-3
+
+
+@pytest.mark.parametrize("queue_ahead", [False, True])
+def test_queue_ahead_queues_each_timed_call_behind_a_spin(monkeypatch, queue_ahead):
+    """``--queue-ahead`` (structure, not timing): every timed call is issued between its two events
+    right after a GPU spin long enough to cover 3x its measured host issue time plus the margin, so
+    the device runs the call's kernels back to back; without it no spin is issued."""
+    import time as _time
+
+    from fusible_ops.bench import timing
+
+    fake = _FakeCuda(monkeypatch, host_ms=2.0)
+    monkeypatch.setattr(_time, "perf_counter", lambda: fake.now)
+    timer = timing.Timer(torch.device("cuda"), warmup_ms=5.0, rep_ms=20.0, queue_ahead=queue_ahead)
+    assert timer.queue_ahead is queue_ahead
+    t = timer.time(fake.call)
+    log = fake.log
+    calls = [k for k, e in enumerate(log) if e[0] == "call"]
+    timed = calls[-t.n_iters:]
+    spins = [e[1] for e in log if e[0] == "sleep"]
+    if not queue_ahead:
+        assert not spins
+    else:
+        cycles_per_ms = timer.spin_cycles_per_ms()
+        want = int((3 * 2.0 + timing.SPIN_MARGIN_MS) * cycles_per_ms)
+        for k in timed:  # sleep, start event, the call, end event
+            assert log[k - 2] == ("sleep", want) and log[k - 1][0] == "record" and log[k + 1][0] == "record", log[k - 2:k + 2]
+        assert want >= 3 * 2.0 * cycles_per_ms
+    assert t.host_ms == pytest.approx(2.0)
+    assert timing.Timer(torch.device("cpu"), 1.0, 1.0, queue_ahead=True).queue_ahead is False
 
 
 def test_list_and_unknown_case(capsys):
