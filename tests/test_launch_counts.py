@@ -1,6 +1,6 @@
 """Kernel launches per forward and per backward of each built-in fused op (GPU), counted with
-torch.profiler: the numbers the README's fused-op table documents. A change that adds a launch
-must update the table (and say why)."""
+torch.profiler: the numbers of the launch-count table in docs/kernels.md. A change that adds a
+launch must update that table (and say why)."""
 
 import pytest
 import torch
@@ -37,7 +37,7 @@ def _cases():
                                                                                                    splits.clone())
 
 
-# (forward, backward) kernel launches, as documented in the README's fused-op table.
+# (forward, backward) kernel launches, as documented in docs/kernels.md's launch-count table.
 EXPECTED = {
     "bias_activation": (1, 2),
     "linear_bias_activation": (2, 4),

@@ -1,6 +1,6 @@
 """The reusable test helpers themselves (fusible_ops.testing): they must catch wrong ops and
 fusions, accept what plain PyTorch at the same precision cannot beat, draw users' own ops, and
-the README recipe must work verbatim in a fresh project."""
+the recipe of docs/testing.md must work verbatim in a fresh project."""
 
 import os
 import pathlib
@@ -347,17 +347,18 @@ def test_builtin_catalogue_draws_every_op():
     assert names == {s.name for s in BUILTIN_OPS}
 
 
-# --------------------------------------------------------------------------- the README recipe
-# Exactly the code block of README.md's "Testing your own fusions" section.
-def _readme_recipe() -> str:
-    """The python block of the README's "Testing your own fusions" section."""
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Testing your own fusions"):]
+# --------------------------------------------------------------------------- the docs recipe
+# Exactly the code block of docs/testing.md's "Testing your own fusions" section (marked
+# "not run" there: tests/test_docs_snippets.py leaves it to this test).
+def _docs_recipe() -> str:
+    """The python block of docs/testing.md's "Testing your own fusions" section."""
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "testing.md").read_text()
+    section = page[page.index("## Testing your own fusions"):]
     start = section.index("```python\n") + 10
     return section[start : section.index("\n```", start)]
 
 
-RECIPE = _readme_recipe()
+RECIPE = _docs_recipe()
 
 
 def test_readme_recipe_runs_verbatim_in_a_fresh_project(tmp_path):
