@@ -181,3 +181,31 @@ def test_host_workloads_stay_callable_when_collected():
         y_peer = peer(*peer_args)
         torch.testing.assert_close(functional(*peer_args), y_peer, msg=name)
         assert ours(*ours_args).shape == y_peer.shape, name
+
+
+def test_model_cases_and_report_page(tmp_path, monkeypatch):
+    """The MoE layer and the FP8 variants run as harness cases (quick, CPU: FP8 as emulation), and
+    ``--report`` writes the results page from the run; ``--from`` writes it again from the JSON
+    lines alone. Without matplotlib the page has no plots and says how to get them."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (as on a core install: no plots)
+    out, page = str(tmp_path / "res"), str(tmp_path / "BENCHMARKS.md")
+    assert main(["mlp_block", "moe_layer:E8_k2_H128", "--out", out, "--report", page, *QUICK]) == 0
+    _, rows = _read(out)
+    by = {(r["case"], r["variant"]): r for r in rows}
+    for key in [("mlp_block", "fused"), ("mlp_block", "fp8_current"), ("mlp_block", "fp8_block"),
+                ("moe_layer", "fused"), ("moe_layer", "unfused"), ("moe_layer", "fp8_current"), ("moe_layer", "eager")]:
+        assert by[key]["status"] == "ok", by[key]
+        assert by[key]["command"].startswith("python -m fusible_ops.bench mlp_block")
+    assert "moe_dispatch_mlp" in by[("moe_layer", "fused")]["rules_forward"]
+    assert not any(r["variant"] == "graphed" for r in rows)  # (CUDA only)
+    text = open(page).read()
+    for needle in ("# Benchmarks", "Command: `python -m fusible_ops.bench mlp_block", "## Summary",
+                   "## Dense MLP blocks", "## MoE layer", "| moe_layer | E8_k2_H128 | fp8_current |",
+                   "## Known shortfalls", "pip install -e \".[bench]\""):
+        assert needle in text, needle
+    assert len(text.splitlines()) <= 400
+    again = str(tmp_path / "again.md")
+    assert main(["--from", out, "--report", again]) == 0
+    assert open(again).read() == text

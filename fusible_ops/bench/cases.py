@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import fusible_ops as fo
+from fusible_ops.testing.fp8 import SQNR_DB
 
 SKEW_FACTOR = 8  # skewed routing: the heavy expert gets SKEW_FACTOR x the mean
 ALIGN_ROWS = 16  # skewed routing: group sizes are multiples of this where possible
@@ -80,7 +81,16 @@ class Bench:
     reference: Optional[Callable[[tuple, torch.Tensor], torch.Tensor]] = None
     check_output: Optional[Callable[[tuple, torch.Tensor], Optional[str]]] = None
     notes: dict = dataclasses.field(default_factory=dict)
+    tolerances: dict = dataclasses.field(default_factory=dict)  # variant -> rel norm err bound (FP8)
     copies: Optional[list] = None  # filled by the harness
+
+
+class Lazy:
+    """A variant built only when the harness reaches it, from the first copy of the inputs (a
+    CUDA-graphed variant captures there, and its graph and memory pool go when it is done)."""
+
+    def __init__(self, make: Callable[[tuple], Callable]) -> None:
+        self.make = make
 
 
 @dataclasses.dataclass
@@ -99,6 +109,46 @@ def _with_compile(ctx: BenchContext, variants: dict, eager: Callable, name: str 
     if ctx.compile:
         variants[name] = ctx.compiled(eager)
     return variants
+
+
+def fp8_variants(ctx: BenchContext, call: Callable) -> dict:
+    """``call`` under each FP8 recipe (``fp8_current``, ``fp8_delayed``, ``fp8_block``): on CPU as
+    emulation, on CUDA where FP8 matmuls run (compute capability 8.9+)."""
+    if ctx.device.type == "cuda" and torch.cuda.get_device_capability(ctx.device) < (8, 9):
+        return {}
+    out = {}
+    for name, recipe in (("fp8_current", fo.Float8CurrentScaling()), ("fp8_delayed", fo.Float8DelayedScaling()),
+                         ("fp8_block", fo.Float8BlockScaling())):
+        def fn(*inputs, recipe=recipe):
+            with fo.autocast(recipe=recipe):
+                return call(*inputs)
+        out[name] = fn
+    return out
+
+
+FP8_REL_ERR = 10 ** (-SQNR_DB[("grad", "hybrid")] / 20)
+"""Bound on an FP8 variant's relative error against the bf16 reference: the SQNR table's gradient
+threshold (20 dB), the looser of its output and gradient rows."""
+
+
+def graphed(ctx: BenchContext, module, args: Callable[[tuple], tuple], recipe=None) -> dict:
+    """``{"graphed": ...}`` on CUDA: ``module`` captured by :func:`fusible_ops.make_graphed_callables`
+    on clones of the first input copy when the harness reaches it (under ``recipe`` if given);
+    calls with other copies copy them into the static inputs first, as torch's graphed callables
+    do. ``args(inputs)`` gives the module's arguments. Empty on CPU."""
+    if ctx.device.type != "cuda":
+        return {}
+
+    def make(inputs):
+        static = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
+        with fo.autocast(recipe=recipe):
+            g = fo.make_graphed_callables(module, args(static))
+
+        def call(*inp):
+            out = g(*args(inp))
+            return out[0] if isinstance(out, tuple) else out
+        return call
+    return {"graphed" if recipe is None else "graphed_fp8": Lazy(make)}
 
 
 def _shape(*dims) -> str:
@@ -312,9 +362,11 @@ def _mlp(ctx: BenchContext, gated: bool) -> Iterator[Bench]:
         case="mlp_block_swiglu" if gated else "mlp_block", config="", shape=f"T={T} H={H} F={Fd}",
         dtype=ctx.dtype, metric="flops", work=3 * fwd_flops, new_copy=new_copy,
         params=[wn, w1, b1, w2, b2],
-        variants=_with_compile(ctx, {"fused": lambda x: seq(x, x), "eager": eager}, eager),
+        variants=_with_compile(ctx, {"fused": lambda x: seq(x, x), "eager": eager, **fp8_variants(ctx, lambda x: seq(x, x))},
+                               eager),
         fused_module=seq, plan_args=lambda inp: (inp[0], inp[0]),
         expected_rules=("linear_bias_activation", "activation_bias_backward"),
+        tolerances=dict.fromkeys(("fp8_current", "fp8_delayed", "fp8_block"), FP8_REL_ERR),
     )
 
 
@@ -411,19 +463,27 @@ def _grouped(ctx: BenchContext, name: str, E: int, T: int, H: int, Fd: int) -> I
         def new_copy():
             return (ctx.randn(T, H, requires_grad=True),), ctx.randn(T, H)
 
-        variants = {"fused": (lambda x, seq=seq, splits=splits: seq(x, splits, splits)), "eager_loop": loop,
-                    "grouped_mm": grouped_mm}
+        def fused(x, seq=seq, splits=splits):
+            return seq(x, splits, splits)
+
+        def mlp_args(inp, splits=splits):
+            return (inp[0], splits, splits)
+
+        variants = {"fused": fused, **fp8_variants(ctx, fused), "eager_loop": loop, "grouped_mm": grouped_mm}
         _with_compile(ctx, variants, loop, "compile_loop")
+        variants.update(graphed(ctx, seq, mlp_args))
+        variants.update(graphed(ctx, seq, mlp_args, recipe=fo.Float8CurrentScaling()) if "fp8_current" in variants else {})
         fwd_flops = 2 * T * H * 2 * Fd + 2 * T * Fd * H
         bench = Bench(
             case=name, config=routing, shape=f"E={E} T={T} H={H} F={Fd}", dtype=ctx.dtype, metric="flops",
             work=3 * fwd_flops, new_copy=new_copy, params=[w1, w2], variants=variants, fused_module=seq,
-            plan_args=lambda inp, splits=splits: (inp[0], splits, splits), expected_rules=(),
-            baseline="eager_loop",
+            plan_args=mlp_args, expected_rules=(),
+            baseline="eager_loop", tolerances=dict.fromkeys(("fp8_current", "fp8_delayed", "fp8_block", "graphed_fp8"),
+                                                            FP8_REL_ERR),
             notes={"eager_loop": "per-expert F.linear loop; split sizes known on the host (no sync timed)",
                    "compile_loop": "torch.compile(dynamic=False) of the loop, split sizes baked in"},
         )
-        del fc1, fc2, seq, w1, w2, splits, offs, variants, loop, grouped_mm, new_copy
+        del fc1, fc2, seq, w1, w2, splits, offs, variants, loop, grouped_mm, new_copy, fused, mlp_args
         yield bench
         del bench
 

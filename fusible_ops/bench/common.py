@@ -31,6 +31,20 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)"
 
 
+def driver_version(device: torch.device) -> str:
+    """The NVIDIA driver's version (``nvidia-smi``), or "" where there is none."""
+    if device.type != "cuda":
+        return ""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.split("\n")[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":

@@ -45,7 +45,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .common import device_name, free_memory, log as _log, pin_to_one_core, versions as _versions
+from .common import device_name, driver_version, free_memory, log as _log, pin_to_one_core, versions as _versions
+from .cases import Lazy
 from .timing import Timer, Timing, n_copies_for
 
 DEFAULT_WARMUP_MS = 200.0
@@ -60,7 +61,7 @@ FIELDS = [
     "bytes", "flops", "gbps",
     "tflops", "ceiling", "pct_of_ceiling", "speedup_vs_eager", "speedup_vs_grouped_mm", "rel_err",
     "rules_forward", "rules_backward", "expected_rules", "first_call_s", "copy_gbps", "matmul_tflops",
-    "autograd_floor_ms", "quick", "note",
+    "autograd_floor_ms", "fp8_tflops", "peak_mib", "driver", "command", "quick", "note",
 ]
 
 
@@ -74,6 +75,7 @@ class Ceilings:
     copy_bytes: int
     matmul_n: int
     floor_timing: Optional[Timing] = None  # see measure_autograd_floor
+    fp8_tflops: Optional[float] = None  # per-tensor FP8 matmul rate (torch._scaled_mm), CUDA 8.9+ only
 
     @property
     def autograd_floor_ms(self) -> Optional[float]:
@@ -104,8 +106,21 @@ def measure_ceilings(device: torch.device, timer: Timer, quick: bool = False) ->
     n = MM_CEILING_N if not quick else 256
     t_mm = _time_mm(device, timer, n)
     tflops = 2 * n**3 / (t_mm.median_ms * 1e-3) / 1e12
+    fp8 = _fp8_mm_tflops(device, timer, n)
     free_memory(device)
-    return Ceilings(copy_gbps, tflops, t_copy, t_mm, nbytes, n, measure_autograd_floor(device, timer))
+    return Ceilings(copy_gbps, tflops, t_copy, t_mm, nbytes, n, measure_autograd_floor(device, timer), fp8)
+
+
+def _fp8_mm_tflops(device: torch.device, timer: Timer, n: int) -> Optional[float]:
+    """Dense per-tensor FP8 matmul rate (``torch._scaled_mm``, E4M3, bf16 out), the ceiling of the
+    FP8 variants; None where FP8 matmuls do not run (CPU, compute capability < 8.9)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+    t = timer.time(lambda i: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    return 2 * n**3 / (t.median_ms * 1e-3) / 1e12
 
 
 def _time_copy(device: torch.device, timer: Timer, nbytes: int) -> Timing:
@@ -253,12 +268,25 @@ def _check_variant(bench, name: str, fn, inputs, dy, targets, device) -> tuple[f
     g_ref = torch.autograd.grad(y_ref, targets, dy, allow_unused=True)
     errs = [rel_norm_err(y, y_ref)] + [rel_norm_err(a, b) for a, b in zip(grads, g_ref)]
     err = max(errs)
-    if err >= REL_ERR_TOL and problem is None:
+    tol = bench.tolerances.get(name, REL_ERR_TOL)
+    if err >= tol and problem is None:
         labels = ["output"] + [f"grad[{k}]" for k in range(len(grads))]
         worst = labels[errs.index(err)]
-        problem = f"mismatch vs reference: rel norm err {err:.3g} ({worst}) >= {REL_ERR_TOL}"
+        problem = f"mismatch vs reference: rel norm err {err:.3g} ({worst}) >= {tol}"
     del y, grads, y_ref, g_ref
     return first, err, problem
+
+
+def _peak_mib(call, device: torch.device) -> Optional[float]:
+    """Peak memory of one more call above what was allocated before it (MiB; CUDA only)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    call(0)
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
 def _plan_rules(bench) -> tuple[list[str], list[str]]:
@@ -305,6 +333,8 @@ def run_bench(bench, timer: Timer, ceilings: Ceilings, meta: dict, device: torch
             continue
         inputs0, dy0 = bench.copies[0]
         try:
+            if isinstance(fn, Lazy):
+                fn = fn.make(inputs0)
             first, err, problem = _check_variant(bench, name, fn, inputs0, dy0, targets[0], device)
         except Exception as e:  # a baseline that cannot run here, or a broken fused op
             kind = "error" if name in ("fused", bench.baseline) else "unavailable"
@@ -337,14 +367,19 @@ def run_bench(bench, timer: Timer, ceilings: Ceilings, meta: dict, device: torch
             free_memory(device)
             continue
         row.update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, n_iters=t.n_iters, host_ms=t.host_ms,
-                   queue_ahead=timer.queue_ahead)
+                   queue_ahead=timer.queue_ahead, peak_mib=_peak_mib(call, device))
         if bench.metric == "bytes":
             row["gbps"] = bench.work / (t.median_ms * 1e-3) / 1e9
             row["pct_of_ceiling"] = 100.0 * row["gbps"] / ceilings.copy_gbps
             rate = f"{row['gbps']:.0f} GB/s"
         else:
             row["tflops"] = bench.work / (t.median_ms * 1e-3) / 1e12
-            row["pct_of_ceiling"] = 100.0 * row["tflops"] / ceilings.matmul_tflops
+            if name.startswith("fp8") and ceilings.fp8_tflops:
+                row["ceiling"] = ceiling_name = "fp8_mm"
+                row["pct_of_ceiling"] = 100.0 * row["tflops"] / ceilings.fp8_tflops
+            else:
+                row["ceiling"] = ceiling_name = "bf16_mm"
+                row["pct_of_ceiling"] = 100.0 * row["tflops"] / ceilings.matmul_tflops
             rate = f"{row['tflops']:.1f} TFLOP/s"
         _log(
             f"{label}: {t.median_ms:.3f} ms (p20 {t.p20_ms:.3f}, p80 {t.p80_ms:.3f}, host {t.host_ms:.3f}, "
@@ -352,6 +387,8 @@ def run_bench(bench, timer: Timer, ceilings: Ceilings, meta: dict, device: torch
             f"rel err {err:.2e}; first call {first:.2f} s"
         )
         rows.append(row)
+        del fn, call
+        free_memory(device)
 
     by_name = {r["variant"]: r for r in rows}
     base = by_name.get(bench.baseline)
@@ -390,6 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-ahead", action="store_true",
                    help="CUDA: queue each timed call behind a GPU spin longer than its host issue time, so the "
                         "events time the device work alone (host-bound rows then show their kernels' time)")
+    p.add_argument("--report", metavar="PAGE",
+                   help="also write a results page (e.g. BENCHMARKS.md) from this run's rows, with plots under "
+                        "docs/img/ beside it (needs the bench extra: matplotlib)")
+    p.add_argument("--from", dest="from_dir", metavar="DIR",
+                   help="with --report: render the page from the JSON lines already in DIR (no timing)")
     p.add_argument("--pin", action="store_true",
                    help="CUDA: pin this process to one CPU core (Linux) for steadier host times")
     return p
@@ -399,6 +441,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .cases import CASES, BenchContext
 
     args = build_parser().parse_args(argv)
+    if args.from_dir:
+        from .report import load_rows, write_report
+
+        if not args.report:
+            print("--from needs --report PAGE", file=sys.stderr)
+            return 2
+        write_report(load_rows(args.from_dir), args.report)
+        return 0
     if args.list:
         for name, case in CASES.items():
             print(f"{name:20s} {case.description}")
@@ -435,8 +485,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta = dict(
         device=device_name(device), torch_version=tv, triton_version=trv, date_utc=now.isoformat(timespec="seconds"),
         copy_gbps=ceilings.copy_gbps, matmul_tflops=ceilings.matmul_tflops,
-        autograd_floor_ms=ceilings.autograd_floor_ms, quick=bool(args.quick),
-        queue_ahead=timer.queue_ahead, pinned=bool(pinned),
+        autograd_floor_ms=ceilings.autograd_floor_ms, fp8_tflops=ceilings.fp8_tflops, quick=bool(args.quick),
+        queue_ahead=timer.queue_ahead, pinned=bool(pinned), driver=driver_version(device),
+        command=" ".join(["python -m fusible_ops.bench", *(sys.argv[1:] if argv is None else argv)]),
     )
     rows: list[dict] = []
     for variant, t, value, metric in (("copy_bandwidth", ceilings.copy_timing, ceilings.copy_gbps, "bytes"),
@@ -507,6 +558,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     paths = write_outputs(rows, args.out, stamp, table)
     print(table)
     _log(f"wrote {paths['csv']}, {paths['jsonl']}, {paths['md']} (total {time.perf_counter() - t_start:.1f} s)")
+    if args.report:
+        from .report import write_report
+
+        _log(f"wrote {write_report(rows, args.report)}")
     return 1 if n_failed else 0
 
 

@@ -1,0 +1,231 @@
+"""The results page (``BENCHMARKS.md``) written from one harness run's rows.
+
+``python -m fusible_ops.bench --out DIR --report BENCHMARKS.md`` runs the cases and writes the page;
+``python -m fusible_ops.bench --from DIR --report BENCHMARKS.md`` writes it again from the JSON lines
+that run left in ``DIR`` (no timing). The page holds the run's device, driver, versions, date and
+command, the ceilings measured in that run, one table per case family (every variant's time, its
+rate as % of its ceiling, its peak memory, and how much faster the fused variant is), the fused
+variants' shortfalls (any peer faster) and plots (matplotlib, the ``bench`` extra: PNGs under
+``docs/img/`` beside the page; without matplotlib the page says so and has no plots).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+from typing import Optional
+
+FAMILIES = [
+    ("Elementwise and normalization", ("bias_gelu", "swiglu", "residual_rmsnorm", "gelu_dropout", "layernorm",
+                                       "norm_sizes")),
+    ("Dense MLP blocks (bf16 and FP8)", ("mlp_block", "mlp_block_swiglu")),
+    ("Grouped expert MLPs (bf16 and FP8)", ("grouped_mlp_8e", "grouped_mlp_64e")),
+    ("MoE layer", ("moe_layer",)),
+    ("Distributed (torchrun)", ("tp_mlp", "ep_moe")),
+]
+"""(title, cases) of each table, in page order; cases of no family go to a last "Other" table."""
+
+PEER_LABELS = {"eager": "eager PyTorch", "compile": "torch.compile", "eager_loop": "per-expert loop",
+               "compile_loop": "compiled loop", "grouped_mm": "torch._grouped_mm"}
+
+
+def load_rows(out_dir: str) -> list[dict]:
+    """Every row of the ``bench_*.jsonl`` files in ``out_dir`` (in file-name order)."""
+    paths = sorted(glob.glob(os.path.join(out_dir, "bench_*.jsonl")))
+    if not paths:
+        raise FileNotFoundError(f"no bench_*.jsonl in {out_dir}")
+    rows = []
+    for p in paths:
+        with open(p) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    return rows
+
+
+def _num(v) -> Optional[float]:
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _f(v, nd: int = 3, suffix: str = "") -> str:
+    v = _num(v)
+    return "" if v is None else f"{v:.{nd}f}{suffix}"
+
+
+def _groups(rows: list[dict]) -> dict:
+    """(case, config) -> {variant: row}, in run order."""
+    out: dict = {}
+    for r in rows:
+        if r.get("case") == "ceiling":
+            continue
+        out.setdefault((r["case"], r.get("config") or ""), {})[r["variant"]] = r
+    return out
+
+
+def speedups(variants: dict) -> dict:
+    """{peer variant: its median / the fused median} (how much faster the fused variant is)."""
+    fused = _num(variants.get("fused", {}).get("median_ms"))
+    if fused is None:
+        return {}
+    return {name: _num(r.get("median_ms")) / fused for name, r in variants.items()
+            if name != "fused" and _num(r.get("median_ms")) is not None}
+
+
+def _is_peer(name: str) -> bool:
+    """Variants that are not ours (ours: fused, unfused, fp8_*, graphed*)."""
+    return name in PEER_LABELS or name.startswith(("torch", "composition", "liger", "torchao", "te_"))
+
+
+def _family_table(groups: dict, cases) -> list[str]:
+    lines = ["| case | config | variant | median ms | p20-p80 | host ms | rate | % of ceiling | peak MiB "
+             "| time / fused | status |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for (case, config), variants in groups.items():
+        if case not in cases:
+            continue
+        sp = speedups(variants)
+        for name, r in variants.items():
+            rate = (_f(r.get("tflops"), 1, " TFLOP/s") if r.get("metric") == "flops" else _f(r.get("gbps"), 0, " GB/s"))
+            pct = _f(r.get("pct_of_ceiling"), 1, "%")
+            if pct:
+                pct += f" {r.get('ceiling') or ''}".rstrip()
+            p = f"{_f(r.get('p20_ms'))}-{_f(r.get('p80_ms'))}" if _num(r.get("p20_ms")) is not None else ""
+            ratio = f"{sp[name]:.2f}x" if name in sp else ""
+            status = r.get("status") or ""
+            lines.append(f"| {case} | {config} | {name} | {_f(r.get('median_ms'))} | {p} | {_f(r.get('host_ms'))} "
+                         f"| {rate} | {pct} | {_f(r.get('peak_mib'), 0)} | {ratio} | {status if status != 'ok' else ''} |")
+    return lines
+
+
+def _summary(groups: dict) -> list[str]:
+    lines = ["| case | config | fused ms | fused % of ceiling | peers: time / fused (fused is x faster) "
+             "| ours unfused / FP8 / graphed: time / fused |", "|---|---|---:|---:|---|---|"]
+    for (case, config), variants in groups.items():
+        fused = variants.get("fused")
+        if fused is None:
+            continue
+        sp = speedups(variants)
+        peers = ", ".join(f"{PEER_LABELS.get(n, n)} {v:.2f}" for n, v in sp.items() if _is_peer(n)) or "-"
+        ours = ", ".join(f"{n} {v:.2f}" for n, v in sp.items() if not _is_peer(n)) or "-"
+        pct = _f(fused.get("pct_of_ceiling"), 1, "%")
+        lines.append(f"| {case} | {config} | {_f(fused.get('median_ms'))} | {pct} | {peers} | {ours} |")
+    return lines
+
+
+def shortfalls(groups: dict) -> list[str]:
+    """One line per fused variant slower than a peer, or not ok."""
+    out = []
+    for (case, config), variants in groups.items():
+        label = f"{case}" + (f"[{config}]" if config else "")
+        for name, r in variants.items():
+            status = r.get("status") or ""
+            if status and status != "ok" and not status.startswith("unavailable"):
+                out.append(f"- {label} / {name}: {status}")
+        slower = {n: v for n, v in speedups(variants).items() if v < 1.0 and _is_peer(n)}
+        if slower:
+            out.append(f"- {label}: fused is slower than " +
+                       ", ".join(f"{PEER_LABELS.get(n, n)} ({v:.2f}x)" for n, v in slower.items()))
+    return out
+
+
+def _plot(groups: dict, cases, path: str, title: str) -> bool:
+    """Bar chart: the fused variant's speedup over each other variant, per case/config."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = []
+    for (case, config), variants in groups.items():
+        if case in cases:
+            for name, v in speedups(variants).items():
+                if _is_peer(name):
+                    bars.append((f"{case}{'[' + config + ']' if config else ''} vs {name}", v))
+    if not bars:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 0.28 * len(bars) + 1.2))
+    labels, values = zip(*bars)
+    colors = ["tab:green" if v >= 1.0 else "tab:red" for v in values]
+    ax.barh(range(len(bars)), values, color=colors)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(bars)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("fused speedup over each peer (time / fused; > 1: fused is faster)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _slug(title: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in title.split(" (")[0].lower()).strip("_")
+
+
+def write_report(rows: list[dict], page: str) -> str:
+    """Write the results page for ``rows`` (one run) to ``page``; plots go to ``docs/img/`` beside
+    it. Returns the page's path."""
+    meta = next((r for r in rows if r.get("case") == "ceiling"), rows[0])
+    groups = _groups(rows)
+    root = os.path.dirname(os.path.abspath(page))
+    img_dir = os.path.join(root, "docs", "img")
+    try:
+        import matplotlib  # noqa: F401
+
+        have_plots = True  # (imported again, with a non-interactive backend, by _plot)
+        os.makedirs(img_dir, exist_ok=True)
+    except ImportError:
+        have_plots = False
+    fp8 = _num(meta.get("fp8_tflops"))
+    floor = _num(meta.get("autograd_floor_ms"))
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by the benchmark harness from one run; do not edit by hand. How to run and read it: "
+        "[docs/benchmarks.md](docs/benchmarks.md).",
+        "",
+        f"- Device: {meta.get('device')}; driver {meta.get('driver') or 'n/a'}; torch {meta.get('torch_version')}, "
+        f"Triton {meta.get('triton_version')}",
+        f"- Date (UTC): {meta.get('date_utc')}",
+        f"- Command: `{meta.get('command') or 'python -m fusible_ops.bench'}`",
+        f"- Ceilings measured in this run: copy {_f(meta.get('copy_gbps'), 0)} GB/s (read + write), bf16 matmul "
+        f"{_f(meta.get('matmul_tflops'), 1)} TFLOP/s" + (f", FP8 matmul {fp8:.1f} TFLOP/s" if fp8 else "") +
+        (f"; autograd floor {floor:.3f} ms" if floor else ""),
+        "- Every row is one forward + backward; median of CUDA-event times after warm-up, inputs rotated past "
+        "the L2 cache; every variant's output and gradients were checked against the case's reference before "
+        "timing, and the fused plan's rules were checked. `time / fused`: the row's time over the fused (bf16) "
+        "variant's: above 1 the fused variant is that much faster; an FP8 or graphed row below 1 is that much "
+        "faster than fused bf16. `peak MiB`: peak memory of one call above what was allocated before it.",
+        "",
+        "## Summary",
+        "",
+        *_summary(groups),
+    ]
+    families = list(FAMILIES)
+    known = {c for _, cases in FAMILIES for c in cases}
+    other = tuple(sorted({case for case, _ in groups} - known))
+    if other:
+        families.append(("Other", other))
+    for title, cases in families:
+        if not any(case in cases for case, _ in groups):
+            continue
+        lines += ["", f"## {title}", ""]
+        if have_plots:
+            name = f"bench_{_slug(title)}.png"
+            if _plot(groups, cases, os.path.join(img_dir, name), title):
+                lines += [f"![{title}](docs/img/{name})", ""]
+        lines += _family_table(groups, cases)
+    sf = shortfalls(groups)
+    lines += ["", "## Known shortfalls", ""] + (sf or ["- none in this run: every fused variant beat every peer."])
+    if not have_plots:
+        lines += ["", "(Plots need matplotlib: `pip install -e \".[bench]\"`, then "
+                      "`python -m fusible_ops.bench --from DIR --report BENCHMARKS.md`.)"]
+    with open(page, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return page
+
+
+__all__ = ["FAMILIES", "load_rows", "shortfalls", "speedups", "write_report"]
