@@ -8,7 +8,7 @@ ceilings measured in the same run. See :mod:`fusible_ops.bench.harness` and
 """
 
 from .cases import CASES, Bench, BenchContext, routing_splits
-from . import cases_moe  # noqa: F401,E402  (registers the moe_layer case)
+from . import cases_moe, cases_dist  # noqa: F401,E402  (register the moe_layer and distributed cases)
 from .harness import FIELDS, main, measure_ceilings
 from .timing import Timer, Timing, percentile
 

@@ -459,14 +459,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .host import main as host_main
 
         return host_main(args)
+    rank = _init_distributed()
+    from .cases_dist import DIST_CASES, distributed
+
     selected: list[tuple[str, Optional[str]]] = []
-    for spec in args.cases or list(CASES):
+    default = [c for c in CASES if (c in DIST_CASES) == distributed()]  # torchrun: the distributed cases
+    for spec in args.cases or default:
         name, _, config = spec.partition(":")
         if name not in CASES:
             print(f"unknown case {name!r}; known: {', '.join(CASES)}", file=sys.stderr)
             return 2
         selected.append((name, config or None))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if distributed():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     variant_filter = {v.strip() for v in args.variants.split(",") if v.strip()} or None
@@ -475,7 +481,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tv, trv = _versions()
     now = datetime.datetime.now(datetime.timezone.utc)
     stamp = now.strftime("%Y%m%dT%H%M%SZ")
-    timer = Timer(device, args.warmup_ms, args.rep_ms, queue_ahead=args.queue_ahead)
+    timer = Timer(device, args.warmup_ms, args.rep_ms, queue_ahead=args.queue_ahead,
+                  agree=_agree_counts if distributed() else None)
     t_start = time.perf_counter()
     pinned = pin_to_one_core(device, args.pin)
     _log(f"fusible_ops.bench on {device_name(device)}{pinned} (torch {tv}, triton {trv}); measuring ceilings ...")
@@ -555,6 +562,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     meta_md = dict(meta, matmul_n=ceilings.matmul_n)
     table = markdown_table([r for r in rows if r["case"] != "ceiling"], meta_md)
+    if rank:  # (torchrun: rank 0 writes)
+        return 1 if n_failed else 0
     paths = write_outputs(rows, args.out, stamp, table)
     print(table)
     _log(f"wrote {paths['csv']}, {paths['jsonl']}, {paths['md']} (total {time.perf_counter() - t_start:.1f} s)")
@@ -563,6 +572,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         _log(f"wrote {write_report(rows, args.report)}")
     return 1 if n_failed else 0
+
+
+def _init_distributed() -> int:
+    """Under torchrun (WORLD_SIZE > 1): join the NCCL group on this process's GPU. Returns the rank."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    return dist.get_rank()
+
+
+def _agree_counts(n_warm: int, n_rep: int) -> tuple[int, int]:
+    """The largest warm-up and timed iteration counts of all ranks (calls hold collectives)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([n_warm, n_rep], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t[0]), int(t[1])
 
 
 def _reset_compile() -> None:

@@ -70,8 +70,12 @@ class Timer:
     (CUDA): each timed call waits on the device behind a spin that outlasts its host issue time,
     so the events time the device work alone."""
 
-    def __init__(self, device: torch.device, warmup_ms: float, rep_ms: float, queue_ahead: bool = False) -> None:
+    def __init__(self, device: torch.device, warmup_ms: float, rep_ms: float, queue_ahead: bool = False,
+                 agree: Optional[Callable[[int, int], tuple[int, int]]] = None) -> None:
+        """``agree(n_warm, n_rep)``: the counts every rank of a distributed run uses (their maximum),
+        so that calls holding collectives stay matched across ranks."""
         self.device = device
+        self.agree = agree
         self.warmup_ms = float(warmup_ms)
         self.rep_ms = float(rep_ms)
         self.queue_ahead = bool(queue_ahead) and device.type == "cuda"
@@ -129,6 +133,8 @@ class Timer:
             spin = int(spin_ms * self.spin_cycles_per_ms())
             est += spin_ms
         n_warm, n_rep = self._counts(est, MIN_REP_ITERS_CUDA)
+        if self.agree is not None:
+            n_warm, n_rep = self.agree(n_warm, n_rep)
         for _ in range(n_warm):
             self._call(fn)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
