@@ -190,7 +190,8 @@ def write_report(rows: list[dict], page: str) -> str:
         f"- Device: {meta.get('device')}; driver {meta.get('driver') or 'n/a'}; torch {meta.get('torch_version')}, "
         f"Triton {meta.get('triton_version')}",
         f"- Date (UTC): {meta.get('date_utc')}",
-        f"- Command: `{meta.get('command') or 'python -m fusible_ops.bench'}`",
+        *[f"- Command: `{c}`" for c in dict.fromkeys(r.get("command") or "python -m fusible_ops.bench"
+                                                      for r in rows if r.get("case") == "ceiling")],
         f"- Ceilings measured in this run: copy {_f(meta.get('copy_gbps'), 0)} GB/s (read + write), bf16 matmul "
         f"{_f(meta.get('matmul_tflops'), 1)} TFLOP/s" + (f", FP8 matmul {fp8:.1f} TFLOP/s" if fp8 else "") +
         (f"; autograd floor {floor:.3f} ms" if floor else ""),
