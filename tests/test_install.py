@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -49,7 +51,7 @@ def test_dependencies():
     """Core: torch and numpy (without numpy, ``import torch`` warns "Failed to initialize NumPy").
     Triton only in the test extra (the interpreter; torch's CUDA wheels bring their own), matplotlib
     only in the bench extra."""
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
 
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)["project"]
