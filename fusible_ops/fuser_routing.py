@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class RoutedSteps:
     """A fuser's whole plan as ONE step, for fusers holding MoE routing ops.
 
-    ``install()`` replaces the plan's forward and backward steps by this object, so the fuser's
+    ``install(plan)`` replaces the plan's forward and backward steps by this object, so the fuser's
     autograd function (untouched, as for every chain) calls it once per pass. It runs the plan's
     real steps (the groups ``fusion_plan()`` reports) with a fresh :class:`Routing` per MoE layer
     per pass: routing ops get it as ``routing=``, routed ops (``GroupedLinear`` between Dispatch
@@ -31,7 +31,9 @@ class RoutedSteps:
     """
 
     def __init__(self, plan: "Plan", ops, layout) -> None:
-        self.plan, self.ops, self.layout = plan, ops, layout
+        # (not the plan itself: the plan holds this object as its step, and a reference back would
+        # be a cycle that keeps the parameters alive after ``del model`` until the cyclic GC runs)
+        self.ops, self.layout, self.param_counts = ops, layout, plan.param_counts
 
         def step_region(idx):
             regions = [layout.region[i] for i in idx if getattr(ops[i], "routing_role", None)]
@@ -45,8 +47,7 @@ class RoutedSteps:
         self.complete = plan.backward_complete
         self.all = tuple(range(len(ops)))
 
-    def install(self) -> None:
-        plan = self.plan
+    def install(self, plan: "Plan") -> None:
         plan.forward_steps = [(self, self.all, plan.op_kwargs)]
         plan.backward_steps = [(self, self.all, None)] if plan.backward_steps else []
         plan.backward_complete = True  # this step returns None for dx itself when incomplete
@@ -70,7 +71,7 @@ class RoutedSteps:
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs):
         ops, feeds = self.ops, self.layout.feeds
         routings = self.layout.new_routings()
-        param_grads = [(None,) * c for c in self.plan.param_counts]
+        param_grads = [(None,) * c for c in self.param_counts]
         grad_extra_in = [None] * len(ops)
         for op, idx, gq, region in self.bwd:
             if type(dy) is Float8Tensor and not getattr(ops[idx[-1]], "accepts_fp8", False):
@@ -89,7 +90,7 @@ class RoutedSteps:
 
 def _install(fuser, plan: "Plan", layout, n_extra: int, recipe) -> None:
     """The plan extension's hook: a routed fuser's new plan runs as one :class:`RoutedSteps`."""
-    RoutedSteps(plan, fuser.ops, layout).install()
+    RoutedSteps(plan, fuser.ops, layout).install(plan)
 
 
 # routing_layout (:func:`fusible_ops.ops.moe.routing_layout`): the MoE routing layout of a fuser's

@@ -38,6 +38,7 @@ What must hold (the contract)
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -249,7 +250,7 @@ class BasicOperation(FusibleOperation):
             return params[name]
         lent = d.get("_lent_params")
         if lent is not None and name in lent[1]:
-            owner = lent[0]
+            owner = lent[0]()
             # The owner's registered parameter (also what ``functional_call`` swaps in) when it
             # has one; else whatever its attribute is (a parametrization's property, a tensor).
             params = owner.__dict__["_parameters"]
@@ -262,10 +263,15 @@ class BasicOperation(FusibleOperation):
         """Let ``owner`` own this op's parameters ``names``: they are removed from this op and
         ``self.<name>`` reads ``owner.<name>`` from then on (so whatever torch does to the owner's
         attribute, e.g. ``functional_call`` or a parametrization, is what this op computes with).
-        The owner registers them itself. Used by composite modules such as ``Linear``."""
+        The owner registers them itself. Used by composite modules such as ``Linear``.
+
+        The owner is held by a weak reference: it holds this op (a child module, and in
+        ``_borrowers``), so a strong one back would be a cycle that keeps the parameters alive after
+        ``del model`` until the cyclic GC runs. Copies and pickles hold it strongly in between
+        (``__getstate__`` / ``__setstate__``), so a copy's ops read the copy's owner."""
         for n in names:
             self._parameters.pop(n, None)
-        self.__dict__["_lent_params"] = (owner, frozenset(names))
+        self.__dict__["_lent_params"] = (weakref.ref(owner), frozenset(names))
         owner.__dict__.setdefault("_borrowers", []).append(self)
         self._bump_state_version()
 
@@ -283,7 +289,20 @@ class BasicOperation(FusibleOperation):
     def param_owner(self, name: str) -> torch.nn.Module:
         """The module whose attribute ``name`` is this op's parameter (self, or the owner)."""
         lent = self.__dict__.get("_lent_params")
-        return lent[0] if lent is not None and name in lent[1] else self
+        return lent[0]() if lent is not None and name in lent[1] else self
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        lent = state.get("_lent_params")
+        if lent is not None:  # (a weak reference neither pickles nor deep-copies to the copy's owner)
+            state["_lent_params"] = (lent[0](), lent[1])
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        lent = state.get("_lent_params")
+        if lent is not None and not isinstance(lent[0], weakref.ref):
+            state = dict(state, _lent_params=(weakref.ref(lent[0]), lent[1]))
+        super().__setstate__(state)
 
     # -- planning hooks ----------------------------------------------------------------
     def plan_key(self) -> tuple:
