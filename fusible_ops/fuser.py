@@ -32,7 +32,7 @@ from torch.nn.utils import parametrize
 
 from .fuser_extensions import extensions_for
 from .fuser_params import check_param_grads as _check_param_grads
-from .fuser_params import distinct as _distinct
+from .fuser_params import as_views as _as_views
 from .fuser_params import grad_quantizer as _grad_quantizer
 from .fuser_params import input_quantizer as _input_quantizer
 from .fuser_params import reader as _reader
@@ -115,6 +115,7 @@ class Plan:
     # outputs): its calls are replayed from C++ (fusible_ops.replay.Replayer, set by replay's plan
     # extension), else None
     replay: Optional[Replayer] = None
+    unwatched: bool = False  # made while tracing: its first eager native call watches the weights
 
     def __post_init__(self) -> None:
         # What every call reads, computed once per plan (the host path stays short).
@@ -346,7 +347,10 @@ class OperationFuser:
             ],
         )
         if plan.gated_all is not None and (plan.gated is None or len(plan.gated[0]) < len(plan.gated_all[0])):
-            watch_plain_weights(self)  # plain-mode weights left ungated: delayed_wgrad() hooks them
+            if _is_compiling():  # (no global state changed in a trace: dynamo would guard on it)
+                plan.unwatched = True
+            else:
+                watch_plain_weights(self)  # plain-mode weights left ungated: delayed_wgrad() hooks them
         if self._routing is None:  # (else the extension running the steps installs them: its hook comes first)
             plan.compile_steps(ops)
         for hook, layout in self._plan_hooks:  # (MoE routing's steps, C++ replay's plan.replay)
@@ -400,6 +404,9 @@ class OperationFuser:
             # CPU and for small CUDA inputs (not for an FP8 input: its dequantization is not
             # differentiable).
             # (Not under forward-mode AD: the kernels would drop the tangents; the function raises.)
+            if plan.unwatched:
+                plan.unwatched = False
+                watch_plain_weights(self)
             ctxs = [OperationContext() for _ in plan.ctx_flags]
             gated = plan.gated
             if plan.gated_all is not None and scheduler_active():  # (only cpu_autograd plans have one)
@@ -430,11 +437,8 @@ class OperationFuser:
             # goes in twice: eager autograd sums the gradients of both positions.
             outs = _RAW_APPLY(_unwrap(x), self, plan, len(extra_inputs), *[
                 _unwrap(a) if isinstance(a, torch.Tensor) else a for a in args])
-        else:
-            if args:  # traced: distinct inputs (dynamo breaks the graph on a repeated one)
-                ids = {id(t) for t in args}
-                if len(ids) != len(args) or id(x) in ids:
-                    args = _distinct(x, args)
+        else:  # traced: every tensor argument as a view, so none is x or another argument
+            args = _as_views(args)
             outs = _FuserFunction.apply(x, self, plan, len(extra_inputs), *args)
         if self.num_extra_outputs == 0:
             return outs[0]

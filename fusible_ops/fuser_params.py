@@ -8,18 +8,17 @@ from __future__ import annotations
 import torch
 
 
-def distinct(x: torch.Tensor, args: list) -> list:
-    """``args`` with every tensor that is ``x`` or an earlier argument replaced by an alias
-    (``view_as``): the same tensor twice (x as residual, tied weights) must reach the autograd
-    function as distinct inputs."""
-    args, seen = list(args), {id(x)}
-    for i, t in enumerate(args):
-        if isinstance(t, torch.Tensor):
-            if id(t) in seen:
-                args[i] = t.view_as(t)
-            else:
-                seen.add(id(t))
-    return args
+def as_views(args: list) -> list:
+    """Traced calls (torch.compile, functorch): every plain tensor of ``args`` as a view of itself.
+    A tensor passed twice (x as residual, one split-size tensor for two ops, tied weights) must
+    reach the autograd function as distinct inputs; viewing all of them does that without asking
+    which ones repeat (``id()`` or ``is`` on the inputs would make dynamo guard on their identity
+    and recompile for every new input tensor, or break the graph on an intermediate one). Views
+    cost nothing in a traced graph."""
+    return [a.view_as(a) if isinstance(a, torch.Tensor) and type(a) in _VIEWABLE else a for a in args]
+
+
+_VIEWABLE = (torch.Tensor, torch.nn.Parameter)
 
 
 def reader(module: torch.nn.Module, name: str) -> tuple:
@@ -75,4 +74,4 @@ def check_param_grads(step, op, got, expected: tuple) -> None:
         )
 
 
-__all__ = ["check_param_grads", "distinct", "grad_quantizer", "input_quantizer", "reader"]
+__all__ = ["check_param_grads", "grad_quantizer", "input_quantizer", "reader"]
