@@ -40,6 +40,7 @@ op would read on the host).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Union
 
 import torch
@@ -119,7 +120,38 @@ def _check_args(modules, sample_args) -> None:
                 raise ValueError("make_graphed_callables: parameters must be leaves")
 
 
-def _warmup(modules, sample_args, iters: int) -> None:
+@contextlib.contextmanager
+def _without_user_hooks(op):
+    """Users' wgrad hooks do not run while ``backward_dw`` is warmed up or captured (they run at
+    replay time, in Python)."""
+    hooks = op.__dict__["_wgrad_hooks"]
+    op.__dict__["_wgrad_hooks"] = []
+    try:
+        yield
+    finally:
+        op.__dict__["_wgrad_hooks"] = hooks
+
+
+def _warm_delayed_wgrads(ops) -> None:
+    """Run the weight gradients a warm-up backward queued, so their kernels tune and compile here
+    rather than inside the capture of ``backward_dw`` (tuning synchronizes, which a capture
+    refuses). What they add to ``.grad`` is put back here; ``main_grad`` and the contract flags
+    are put back by ``_State.restore``."""
+    for op in ops:
+        if not op.has_pending_wgrad():
+            continue
+        saved = [(p, None if p.grad is None else p.grad.clone()) for p in _wgrad_params(op)]
+        with _without_user_hooks(op):
+            op.backward_dw()
+        with torch.no_grad():
+            for p, g in saved:
+                if g is None:
+                    p.grad = None
+                else:
+                    p.grad.copy_(g)
+
+
+def _warmup(modules, sample_args, ops, iters: int) -> None:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -131,6 +163,7 @@ def _warmup(modules, sample_args, iters: int) -> None:
                 if outs and inputs:
                     torch.autograd.grad(outs, inputs, [torch.ones_like(o) for o in outs], allow_unused=True)
                 del out, outs
+            _warm_delayed_wgrads(ops)
     torch.cuda.current_stream().wait_stream(stream)
 
 
@@ -156,14 +189,9 @@ def _capture_delayed(ops, pool) -> dict:
         pending = list(op.__dict__.get("_pending_wgrads") or ())
         if not pending:
             continue
-        hooks = op.__dict__["_wgrad_hooks"]
-        op.__dict__["_wgrad_hooks"] = []  # user hooks run at replay time, in Python
         g = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(g, pool=pool):
-                op.backward_dw()
-        finally:
-            op.__dict__["_wgrad_hooks"] = hooks
+        with _without_user_hooks(op), torch.cuda.graph(g, pool=pool):
+            op.backward_dw()
         params = []
         for p, _, _ in pending:
             if not any(p is q for q in params):
@@ -208,7 +236,7 @@ def make_graphed_callables(modules: Callables, sample_args, *, num_warmup_iters:
     # input size (small CUDA inputs otherwise run torch's own ops under PyTorch's autograd, see
     # fusible_ops.fuser.NATIVE_MAX_NUMEL): the contract bookkeeping below is built around them.
     with cpu_autograd(False):
-        _warmup(mods, args, num_warmup_iters)
+        _warmup(mods, args, ops, num_warmup_iters)
         torch.cuda.synchronize()
         state.restore()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()

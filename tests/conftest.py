@@ -84,9 +84,7 @@ def pytest_runtest_call(item):
 
 def pytest_configure(config):
     """GPU runs: build the C++ replay extension once, in the main process, before xdist's workers
-    start. (On a freshly started H200 the first ``-n 8`` GPU suite failed 33 replay tests that pass
-    on the same machine once it had built the extension; eight workers building it at once is the
-    suspected cause: not yet confirmed on a fresh machine.)"""
+    start, so they do not all compile it at once on a fresh machine."""
     if torch.cuda.is_available() and not hasattr(config, "workerinput"):
         from fusible_ops import replay
 

@@ -244,3 +244,29 @@ def test_fp8_graphed_training_loop_matches_eager(recipe, weight_cache):
     assert _fp8_casts(seq) - casts0 == (2 * (n_steps - 1) if weight_cache else 0)
     for p, pr in zip(seq.parameters(), ref.parameters()):
         torch.testing.assert_close(p, pr, **TOL)
+
+
+def test_first_tuning_inside_a_capture_is_refused_by_name_and_cuda_stays_usable():
+    """A kernel meeting a new tuning key inside a CUDA graph capture raises a clear error before
+    launching anything: the capture ends cleanly and later captures (and their RNG) work."""
+    from fusible_ops.kernels.grouped_gemm import grouped_gemm_fwd
+    from fusible_ops.kernels.launch import AUTOTUNE, forget_tuning
+
+    if not AUTOTUNE:
+        pytest.skip("FUSIBLE_OPS_GGEMM_AUTOTUNE=0: nothing tunes")
+    forget_tuning()
+    x = torch.randn(40, 64, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(3, 32, 64, device=DEV, dtype=torch.bfloat16)
+    splits = torch.tensor([10, 0, 30], device=DEV)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        with torch.cuda.graph(g):
+            grouped_gemm_fwd(x, w, splits)
+    seq = _dense(p=0.5)
+    _main_grads(seq)
+    graphed = fo.make_graphed_callables(seq, (torch.randn(16, 64, device=DEV, requires_grad=True),))
+    xs = torch.randn(16, 64, device=DEV, requires_grad=True)
+    graphed(xs).sum().backward()
+    torch.cuda.synchronize()
+    assert torch.isfinite(xs.grad).all()

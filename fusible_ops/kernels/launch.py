@@ -120,6 +120,17 @@ def clear_geometry_caches() -> None:
         c.clear()
 
 
+_TUNED: list = []  # every TunedKernel (module-level kernels: never freed)
+
+
+def forget_tuning() -> None:
+    """Forget every autotuning choice, as in a fresh process (tests of first-call behaviour)."""
+    clear_geometry_caches()
+    for k in _TUNED:
+        k._chosen.clear()
+        k.tuned.cache.clear()
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for launch grids, in plain Python (``triton.cdiv`` is a constexpr function
     whose host-side call costs microseconds)."""
@@ -456,6 +467,7 @@ class TunedKernel:
         names = list(kernel.arg_names)
         self._key_pos = [(names.index(k), k) for k in key]
         self._chosen: dict = {}
+        _TUNED.append(self)
         self._ready = geometry_cache()  # launch signature -> (grid, meta)
         self._records = geometry_cache()  # (AUTOTUNE, caller's key) -> (grid, signature, meta, int arguments)
 
@@ -551,6 +563,12 @@ class TunedKernel:
             if cfg is None:
                 if RECORDER[0] is not None:
                     RECORDER[0].fail(f"{self.kernel.__name__} autotuned", True)
+                if args[0].is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError(
+                        f"{self.kernel.__name__}: first call of tuning key {key} inside a CUDA graph capture; "
+                        f"autotuning synchronizes, which a capture refuses. Run the same call once before "
+                        f"capturing (fusible_ops.make_graphed_callables warms up forward, backward and "
+                        f"backward_dw), or set FUSIBLE_OPS_GGEMM_AUTOTUNE=0")
                 self.tuned[grid](*args, **const)
                 best = getattr(self.tuned, "best_config", None)
                 if best is not None:
@@ -564,6 +582,6 @@ class TunedKernel:
 
 __all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "RECORDER", "TRITON_DTYPES", "DirectKernel", "TunedKernel", "arg_classes", "as_rows",
            "cast_to", "cdiv", "clear_geometry_caches", "compute_dtype", "contiguous_or", "dot_precision", "elementwise_config",
-           "fit_configs", "generic_key",
+           "fit_configs", "forget_tuning", "generic_key",
            "geometry_cache",
            "kernel_op", "needs_int64", "next_pow2", "num_sms", "placeholder", "remember", "row_align"]
