@@ -220,6 +220,11 @@ def make_graphed_callables(modules: Callables, sample_args, *, num_warmup_iters:
     args = (tuple(sample_args),) if single else tuple(tuple(a) for a in sample_args)
     if len(mods) != len(args):
         raise ValueError(f"make_graphed_callables: {len(mods)} modules but {len(args)} sample argument tuples")
+    for m in mods:
+        if getattr(m.__dict__.get("forward"), "_fusible_ops_graphed", False):
+            raise ValueError(f"make_graphed_callables: this {type(m).__name__} is already graphed (its forward "
+                             f"replays a captured graph, which a new capture cannot contain); capture the "
+                             f"original module, or a copy.deepcopy of it made before graphing")
     _check_args(mods, args)
     ops = _weight_ops(mods)
     for op in ops:
@@ -281,6 +286,7 @@ def _install_after_backward(module: torch.nn.Module, ops, delayed: dict, fp8_wei
             first.grad_fn.register_hook(after_backward)
         return out
 
+    forward._fusible_ops_graphed = True
     module.forward = forward
 
 

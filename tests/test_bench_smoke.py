@@ -209,3 +209,24 @@ def test_model_cases_and_report_page(tmp_path, monkeypatch):
     again = str(tmp_path / "again.md")
     assert main(["--from", out, "--report", again]) == 0
     assert open(again).read() == text
+
+
+def test_shortfalls_name_failed_variants_slower_fused_and_fused_slower_than_unfused():
+    """The page's "Known shortfalls": a variant that did not run (unavailable too), a peer faster
+    than the fused variant, and a fused plan slower than the same ops unfused each get a line;
+    a case where fused wins everywhere gets none."""
+    from fusible_ops.bench.report import shortfalls
+
+    ok = lambda ms: {"median_ms": ms, "status": "ok"}  # noqa: E731
+    groups = {
+        ("moe_layer", "E8"): {"fused": ok(10.0), "unfused": ok(9.0), "eager": ok(20.0),
+                              "graphed_fp8": {"median_ms": None, "status": "unavailable: RuntimeError: x" * 20}},
+        ("swiglu", ""): {"fused": ok(1.0), "eager": ok(0.5), "compile": ok(2.0)},
+        ("bias_gelu", ""): {"fused": ok(1.0), "eager": ok(2.0), "unfused": ok(1.5)},
+    }
+    lines = shortfalls(groups)
+    assert any(s.startswith("- moe_layer[E8] / graphed_fp8: unavailable: RuntimeError") and len(s) < 200 for s in lines)
+    assert "- moe_layer[E8]: the fused plan is slower than the same ops unfused (0.90x)" in lines
+    assert "- swiglu: fused is slower than eager PyTorch (0.50x)" in lines
+    assert not any("bias_gelu" in s for s in lines)
+    assert len(lines) == 3

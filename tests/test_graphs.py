@@ -270,3 +270,5 @@ def test_first_tuning_inside_a_capture_is_refused_by_name_and_cuda_stays_usable(
     graphed(xs).sum().backward()
     torch.cuda.synchronize()
     assert torch.isfinite(xs.grad).all()
+    with pytest.raises(ValueError, match="Sequential is already graphed"):  # a capture cannot hold a replay
+        fo.make_graphed_callables(graphed, (xs,))

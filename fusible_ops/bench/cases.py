@@ -14,6 +14,8 @@ Work counted per call (forward + backward):
 
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 from typing import Any, Callable, Iterator, Optional
 
@@ -141,8 +143,12 @@ def graphed(ctx: BenchContext, module, args: Callable[[tuple], tuple], recipe=No
 
     def make(inputs):
         static = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
+        # a copy that shares the parameters (the case checks their gradients): capture replaces
+        # the module's forward, and the case's other variants (a second graphed one too) keep
+        # calling the original
+        shared = {id(p): p for p in module.parameters()}
         with fo.autocast(recipe=recipe):
-            g = fo.make_graphed_callables(module, args(static))
+            g = fo.make_graphed_callables(copy.deepcopy(module, shared), args(static))
 
         def call(*inp):
             out = g(*args(inp))
