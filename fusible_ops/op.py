@@ -200,8 +200,8 @@ class BasicOperation(FusibleOperation):
 
     Simple ops implement ``op_forward(ctx, x, **kwargs) -> y`` and
     ``op_backward(ctx, dy) -> (dx, param_grads)``. Ops with extra inputs or outputs set
-    ``num_extra_inputs`` / ``num_extra_outputs`` and override ``fuser_forward`` /
-    ``fuser_backward`` instead.
+    ``num_extra_inputs`` / ``num_extra_outputs`` (and ``extra_input_names``) and override
+    ``fuser_forward`` / ``fuser_backward`` instead.
 
     Ops may also define ``reference_forward(x, *extra_inputs)`` in plain differentiable
     PyTorch: the test helpers use it to check the op's math independently of its kernels.
@@ -218,6 +218,11 @@ class BasicOperation(FusibleOperation):
 
     num_extra_inputs: int = 0
     num_extra_outputs: int = 0
+    extra_input_names: tuple[str, ...] = ()
+    """The names of the extra inputs, in order, by which a :class:`~fusible_ops.Sequential` accepts
+    them as keywords (``seq(x, residual=r)``; e.g. ``AddExtraInput``: ``("residual",)``). Empty
+    (the default): ``("extra_input",)`` for one extra input, ``("extra_input_0", "extra_input_1",
+    ...)`` for several."""
 
     @property
     def is_fused_op(self) -> bool:
@@ -362,6 +367,11 @@ class FusedOperation(FusibleOperation):
         if not ops or not all(isinstance(op, BasicOperation) for op in ops):
             raise TypeError("FusedOperation needs a non-empty sequence of BasicOperation")
         self.__dict__["_basic_ops"] = ops
+
+    def _bump_state_version(self) -> None:
+        """A fused op's own attributes (set by its builder while a plan is made) are no input of
+        any plan: nothing to invalidate. (Bumping ``STATE_EPOCH`` here made a ``torch.compile``
+        trace that builds a plan guard on a counter its own build changed: one more trace.)"""
 
     @property
     def is_fused_op(self) -> bool:

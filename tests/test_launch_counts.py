@@ -27,6 +27,8 @@ def _cases():
     yield "linear_bias_activation", fo.Sequential(fo.Linear(256, 512, **kw), fo.GELU()), (x(256, 256),)
     yield "activation_dropout", fo.Sequential(fo.GELU(), fo.Dropout(0.1)).train(), (x(256, 512),)
     yield "residual_norm", fo.Sequential(fo.AddExtraInput(), fo.RMSNorm(512, **kw)), (x(256, 512), x(256, 512))
+    yield "linear_add", fo.Sequential(fo.Linear(256, 256, bias=False, **kw), fo.AddExtraInput()), (x(256, 256),
+                                                                                                 x(256, 256))
     yield "layernorm", fo.Sequential(fo.LayerNorm(512, **kw)), (x(256, 512),)
     yield "swiglu", fo.Sequential(fo.SwiGLU()), (x(256, 512),)
     yield "grouped_mlp", fo.Sequential(fo.GroupedLinear(4, 64, 256, bias=False, **kw), fo.SwiGLU(),
@@ -43,6 +45,7 @@ EXPECTED = {
     "linear_bias_activation": (2, 4),
     "activation_dropout": (2, 1),
     "residual_norm": (1, 3),
+    "linear_add": (2, 3),
     "layernorm": (1, 2),
     "swiglu": (1, 1),
     "grouped_mlp": (3, 4),
