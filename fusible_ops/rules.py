@@ -312,3 +312,148 @@ def plan_pass(
     ordered = [groups[k] for k in sorted(groups)]
     accepted_spans = {(g.rule, g.indices[0]) for g in ordered if g.rule is not None}
     return ordered, [d for k, d in declines.items() if k not in accepted_spans]
+
+
+# --------------------------------------------------------------------------------------
+# Near misses (for explain()).
+# --------------------------------------------------------------------------------------
+def _needed(m: Matcher) -> str:
+    """A pattern element as a noun phrase: 'a Bias', 'an AddExtraInput', 'one of ReLU/GELU'."""
+    cls = m.op_class
+    if isinstance(cls, tuple):
+        text = "one of " + "/".join(c.__name__ for c in cls)
+    else:
+        text = ("an " if cls.__name__[:1] in "AEIOU" else "a ") + cls.__name__
+    return text + (" meeting the rule's condition" if m.where is not None else "")
+
+
+def _span(indices: Sequence[int]) -> str:
+    return f"op {indices[0]}" if len(indices) == 1 else f"ops {indices[0]}-{indices[-1]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class NearMiss:
+    """A rule that matches nowhere in a chain but would match one op away (see :func:`near_misses`).
+
+    ``kind``: ``"missing"`` (one pattern element is absent: ``indices`` are the ops that fit the
+    rest of the pattern, ``at`` the position the absent one would take) or ``"wrong"`` (one op of
+    the span does not fit its element: ``indices`` is the whole span, ``at`` the misfit, and
+    ``class_ok`` says its class is right but the element's ``where`` condition is false).
+    ``needed``: the pattern element that is absent or not met; ``names``: the class names of the
+    ops at ``indices``."""
+
+    rule: str
+    pass_: str
+    kind: str
+    indices: tuple[int, ...]
+    at: int
+    needed: Matcher
+    names: tuple[str, ...]
+    class_ok: bool = False
+
+    def what(self, offset: int = 0) -> str:
+        """What is missing or wrong, e.g. 'needs a Bias between BasicLinear and SwiGLU'."""
+        need = _needed(self.needed)
+        if self.kind == "wrong":
+            found = self.names[self.at - self.indices[0]]
+            if self.class_ok:
+                return f"op {self.at + offset} ({found}) fails the rule's condition"
+            return f"op {self.at + offset} is {found}, needs {need}"
+        k = self.at - self.indices[0]  # how many of the present ops come before the absent one
+        if k == 0:
+            return f"needs {need} before {self.names[0]}"
+        if k == len(self.names):
+            return f"needs {need} after {self.names[-1]}"
+        return f"needs {need} between {self.names[k - 1]} and {self.names[k]}"
+
+
+def _candidates(r: FusionRule, ops: Sequence):
+    """Every way ``r`` is one op away from matching ``ops``, leftmost first (at one start: a misfit
+    before an absent element, earlier pattern elements first)."""
+    pat, n, names = r.pattern, len(r.pattern), [type(op).__name__ for op in ops]
+    for s in range(len(ops)):
+        if s + n <= len(ops):
+            bad = [i for i, m in enumerate(pat) if not m.matches(ops[s + i])]
+            if len(bad) == 1:
+                j, idx = bad[0], tuple(range(s, s + n))
+                yield NearMiss(r.name, r.pass_, "wrong", idx, s + j, pat[j], tuple(names[i] for i in idx),
+                               isinstance(ops[s + j], pat[j].op_class))
+        if s + n - 1 <= len(ops):
+            for j in range(n):
+                rest = pat[:j] + pat[j + 1:]
+                if all(m.matches(ops[s + i]) for i, m in enumerate(rest)):
+                    idx = tuple(range(s, s + n - 1))
+                    yield NearMiss(r.name, r.pass_, "missing", idx, s + j, pat[j], tuple(names[i] for i in idx))
+
+
+def _compatible(a: str, b: str) -> bool:
+    return a == b or "joint" in (a, b)
+
+
+def find_near_misses(rules: Union[RuleSet, Sequence[FusionRule]], ops: Sequence,
+                     matched: Optional[set] = None) -> list[NearMiss]:
+    """The near misses of ``rules`` on the chain ``ops`` (see :func:`near_misses`), as data, ordered
+    by position then by rule order. Disabled rules (:func:`disabled`) are skipped.
+
+    ``matched``: if given, the names of the rules that match structurally somewhere in ``ops`` are
+    added to it (a caller looking at several chains skips those rules in every chain)."""
+    rules = [r for r in (rules.rules() if isinstance(rules, RuleSet) else rules) if r.name not in _disabled]
+    spans, hit = [], set()
+    for r in rules:
+        n = len(r.pattern)
+        for s in range(len(ops) - n + 1):
+            if r.structural_match(ops, s):
+                spans.append((r.pass_, s, s + n))
+                hit.add(r.name)
+    if matched is not None:
+        matched |= hit
+    found = []
+    for order, r in enumerate(rules):
+        if r.name in hit or len(r.pattern) < 3:
+            continue
+        for c in _candidates(r, ops):
+            fits = [i for i in c.indices if c.kind == "missing" or i != c.at]  # the ops that fit
+            if not any(_compatible(p, r.pass_) and s <= fits[0] and fits[-1] < e for p, s, e in spans):
+                found.append((c.indices[0], order, c))
+                break
+    return [c for _, _, c in sorted(found, key=lambda t: t[:2])]
+
+
+def group_near_misses(misses: Sequence[NearMiss], offset: int = 0) -> list[tuple[tuple, str, tuple]]:
+    """Near misses that say the same thing (e.g. a forward rule and its backward twin, or a rule and
+    a longer one needing the same absent op) merged: ``(rule names, what, chain positions)`` in
+    order of first appearance, the positions (shifted by ``offset``) spanning all of them."""
+    merged: dict[str, list] = {}
+    for m in misses:
+        what = m.what(offset)
+        entry = merged.setdefault(what, [[], m.indices[0], m.indices[-1]])
+        entry[0].append(m.rule)
+        entry[1], entry[2] = min(entry[1], m.indices[0]), max(entry[2], m.indices[-1])
+    return [(tuple(rs), what, tuple(range(lo + offset, hi + offset + 1))) for what, (rs, lo, hi) in merged.items()]
+
+
+def near_misses(rules: Union[RuleSet, Sequence[FusionRule]], ops: Sequence, offset: int = 0) -> list[str]:
+    """Short lines on the rules of ``rules`` that match the chain ``ops`` nowhere but almost do.
+
+    *Almost* means one op away: the pattern matches a span of ``ops`` once one element is inserted
+    (``needs a Bias between BasicLinear and SwiGLU``), or it matches a span but for exactly one op,
+    of the wrong class (``op 2 is BasicLinear, needs a GroupedLinear``) or of the right class with
+    the element's ``where`` condition false. Kept short and deterministic:
+
+    * only rules of three or more elements (so at least two ops of the chain fit the pattern: a
+      single op in common is no evidence), not disabled, that match structurally nowhere in
+      ``ops`` (a rule that matched but was declined by its checker is reported with its reason
+      by ``explain()`` instead);
+    * a near miss is skipped when the ops that fit it all lie inside a structural match of
+      another rule of the same pass (or a joint rule): e.g. ``linear_bias_activation_dropout``
+      is no near miss of a chain without Dropout whose ``linear_bias_activation`` matches;
+    * for each rule, the leftmost near miss (at one start, a misfit before an absent element;
+      earlier pattern elements first);
+    * rules whose near misses say the same thing share one line (:func:`group_near_misses`);
+      lines are ordered by position, then by rule order.
+
+    Each line reads ``rules: what (at ops a-b)`` with positions shifted by ``offset``, e.g.
+    ``linear_bias_activation: needs a Bias between BasicLinear and SwiGLU (at ops 1-2)``.
+    """
+    groups = group_near_misses(find_near_misses(rules, ops), offset)
+    return [f"{', '.join(rs)}: {what} (at {_span(idx)})" for rs, what, idx in groups]

@@ -9,9 +9,10 @@ import torch
 from .quantization.recipes import current_recipe
 from .quantization.report import fp8_lines
 from . import fuser as _fuser
+from .extra_inputs import NameTable
 from .fuser import OperationFuser
 from .op import BasicOperation, FusibleOperation
-from .rules import RuleSet
+from .rules import RuleSet, find_near_misses, group_near_misses
 
 
 def _basic_ops_of(module: torch.nn.Module) -> Optional[list[BasicOperation]]:
@@ -32,6 +33,27 @@ def _global_hooks() -> bool:
     g = _HOOK_MODULE
     return bool(g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
                 or g._global_backward_pre_hooks)
+
+
+def _span(idx) -> str:
+    return f"op {idx[0]}" if len(idx) == 1 else f"ops {idx[0]}-{idx[-1]}"
+
+
+def _modules_text(owners: list[int], idx) -> str:
+    """The modules that basic ops ``idx`` belong to: 'module 3', 'modules 1-2'."""
+    ms = sorted({owners[i] for i in idx})
+    if len(ms) == 1:
+        return f"module {ms[0]}"
+    if ms == list(range(ms[0], ms[-1] + 1)):
+        return f"modules {ms[0]}-{ms[-1]}"
+    return "modules " + ", ".join(map(str, ms))
+
+
+def _module_name(m: torch.nn.Module) -> str:
+    cls = type(m)
+    if getattr(torch.nn, cls.__name__, None) is cls:
+        return f"torch.nn.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class _Alone:
@@ -94,13 +116,32 @@ def _routing_lines(fuser: OperationFuser, offset: int) -> list[str]:
     return lines
 
 
+def _near_miss_lines(plans, owners: list[int]) -> list[str]:
+    """explain(): the near misses of each fuser's rules on its ops (:func:`fusible_ops.rules.near_misses`);
+    a rule that matched structurally in any fuser has none, and each rule is reported once."""
+    matched, found = set(), []
+    for fuser, _, offset in plans:
+        found.append((find_near_misses(fuser._rule_set(), fuser.ops, matched), offset))
+    seen, out = set(matched), []
+    for misses, offset in found:
+        keep = [m for m in misses if m.rule not in seen]
+        seen.update(m.rule for m in keep)
+        for rules, what, idx in group_near_misses(keep, offset):
+            out.append(f"  {', '.join(rules)}: {what} (at {_span(idx)}, {_modules_text(owners, idx)})")
+    return ["near misses:", *out] if out else ["near misses: none"]
+
+
 class Sequential(torch.nn.Module):
     """Runs modules in order; consecutive fusible ops run as one fused
     :class:`~fusible_ops.fuser.OperationFuser`, other modules run as-is between fusers.
 
-    Call: ``seq(x, *extra_inputs)``: extra inputs are passed positionally after ``x`` in op
-    order (e.g. ``seq(x, split_sizes, residual)``). If any op has extra outputs the call
-    returns ``(y, *extra_outputs)``, else ``y``.
+    Call: ``seq(x, *extra_inputs, **named_extra_inputs)``: extra inputs are passed positionally
+    after ``x`` in op order (e.g. ``seq(x, split_sizes, residual)``), or by the names of the ops
+    that take them (``seq(x, split_sizes=s, residual=r)``; each op's ``extra_input_names``).
+    :attr:`extra_input_names` lists the names this Sequential accepts, in order: a name that two
+    ops share gets their occurrence index as a suffix (``residual_0``, ``residual_1``) and the
+    plain name is refused as ambiguous. Positional extra inputs fill the first positions, names
+    the rest. If any op has extra outputs the call returns ``(y, *extra_outputs)``, else ``y``.
 
     ``rules``: the :class:`~fusible_ops.RuleSet` to plan with (default: the global set).
     ``state_dict`` keys are the modules' parameter names under their index, as in
@@ -111,6 +152,7 @@ class Sequential(torch.nn.Module):
         super().__init__()
         self._stages: Optional[list] = None
         self._hook_sig: object = None
+        self._xnames: Optional[NameTable] = None  # the extra inputs' names (see _name_table)
         self.rules = rules
         for i, m in enumerate(modules):
             self._check_module(m)
@@ -137,6 +179,7 @@ class Sequential(torch.nn.Module):
 
     def _invalidate(self) -> None:
         self._stages = None
+        self._xnames = None
 
     # torch.nn.Module's own ways of setting, swapping or removing a module replan too
     def __setattr__(self, name: str, value) -> None:
@@ -237,16 +280,18 @@ class Sequential(torch.nn.Module):
                     run.extend(basic)
                     run_idx.append(i)
             close_run()
-            self._stages, self._hook_sig = stages, sig
+            self._stages, self._hook_sig, self._xnames = stages, sig, None
             self._needed = sum(s.num_extra_inputs for s, _ in stages if isinstance(s, (OperationFuser, _Alone)))
             # one fuser and nothing else: calls go straight to it (the common case, host time)
             self._only = stages[0][0] if len(stages) == 1 and isinstance(stages[0][0], OperationFuser) else None
         return self._stages
 
-    def forward(self, x: torch.Tensor, *extra_inputs):
+    def forward(self, x: torch.Tensor, *extra_inputs, **named):
         stages = self._get_stages()
+        if named:  # (extra inputs by name: placed by the cached name table; positional calls skip this)
+            extra_inputs = self._name_table().place(extra_inputs, named)
         if len(extra_inputs) != self._needed:
-            raise TypeError(f"Sequential expected {self._needed} extra input(s) after x, got {len(extra_inputs)}")
+            raise TypeError(self._name_table().count_error(len(extra_inputs)))
         if self._only is not None:
             return self._only(x, *extra_inputs)
         extra_outputs, k = [], 0
@@ -265,6 +310,38 @@ class Sequential(torch.nn.Module):
         if extra_outputs:
             return (x, *extra_outputs)
         return x
+
+    # -- extra inputs by name ----------------------------------------------------------------
+    def _op_modules(self) -> list[int]:
+        """The module index of every basic op, in :meth:`basic_ops` order."""
+        mods = list(self._modules.values())
+        return [i for s, idx in self._get_stages() if isinstance(s, (OperationFuser, _Alone))
+                for i in idx for _ in _basic_ops_of(mods[i])]
+
+    def _name_table(self) -> NameTable:
+        """The names of the extra inputs (:class:`~fusible_ops.extra_inputs.NameTable`). Depends only
+        on the modules: built on first use, kept until they change (``_invalidate``, or the stages
+        are rebuilt)."""
+        table = self._xnames
+        if table is None:
+            stages, owners, g, entries = self._get_stages(), self._op_modules(), 0, []
+            for stage, _ in stages:
+                if isinstance(stage, (OperationFuser, _Alone)):
+                    fuser = stage if isinstance(stage, OperationFuser) else stage.fuser
+                    for op, n in zip(fuser.ops, fuser._num_extra_inputs):  # (routed ops take none)
+                        entries.append((op, n, owners[g]))
+                        g += 1
+            table = self._xnames = NameTable(entries)
+        return table
+
+    @property
+    def extra_input_names(self) -> tuple[str, ...]:
+        """The names of the extra inputs this Sequential takes, in positional order (``seq(x,
+        **{name: tensor})``): each op's ``extra_input_names`` (``AddExtraInput``: ``residual``,
+        ``GroupedLinear``: ``split_sizes``, ``ScaledSwiGLU``: ``scales``); a name that several ops
+        share is suffixed with its occurrence index, ``residual_0``, ``residual_1``, ... (the plain
+        name is then refused as ambiguous). Routed grouped linears (MoE) take none."""
+        return self._name_table().names
 
     # -- introspection -----------------------------------------------------------------------
     def _plans(self, x: Optional[torch.Tensor], extra_inputs):
@@ -309,20 +386,25 @@ class Sequential(torch.nn.Module):
         """All basic ops in order (the indices that plans refer to)."""
         return [op for s, _ in self._get_stages() if isinstance(s, (OperationFuser, _Alone)) for op in s.ops]
 
-    def fusion_plan(self, pass_: str = "forward", x: Optional[torch.Tensor] = None, *extra_inputs) -> list[dict]:
+    def fusion_plan(self, pass_: str = "forward", x: Optional[torch.Tensor] = None, *extra_inputs,
+                    **named) -> list[dict]:
         """The plan as data: one dict per group, ``{"rule": name or None, "op": class name,
-        "indices": basic-op indices (global over this Sequential's basic ops)}``.
+        "indices": basic-op indices (global over this Sequential's basic ops)}``
+        (:meth:`explain` also names the modules they belong to).
 
         ``pass_`` is ``"forward"`` or ``"backward"`` (joint fusions appear in both). Without
         ``x`` it is the plan the last call's inputs (dtype, device, requires_grad) get in the
         current grad mode with the ops' current state (what the next such call runs), or before
         any call, the plan of a training call with an input of
         the parameters' dtype and device that requires grad; pass ``x`` (and extra inputs) to
-        see the plan for that call. A fusible module with hooks runs on its own (a fusion
-        boundary), so its hooks see its inputs and outputs.
+        see the plan for that call (extra inputs positionally or by name, as in a call). A
+        fusible module with hooks runs on its own (a fusion boundary), so its hooks see its inputs
+        and outputs.
         """
         if pass_ not in ("forward", "backward"):
             raise ValueError(f"pass_ must be 'forward' or 'backward', got {pass_!r}")
+        if named:
+            extra_inputs = self._name_table().place(extra_inputs, named)
         rows = []
         for _, plan, offset in self._plans(x, extra_inputs):
             for g in getattr(plan, pass_):
@@ -335,15 +417,26 @@ class Sequential(torch.nn.Module):
                 )
         return rows
 
-    def explain(self, x: Optional[torch.Tensor] = None, *extra_inputs) -> str:
+    def explain(self, x: Optional[torch.Tensor] = None, *extra_inputs, **named) -> str:
         """Both plans as text, each rule that matched structurally but was declined (with the
-        checker's reason) and, inside :func:`fusible_ops.autocast`, where FP8 casts run (fused into a
-        producer or standalone) and which ops fall back to high precision."""
+        checker's reason), the rules' near misses and, inside :func:`fusible_ops.autocast`, where
+        FP8 casts run (fused into a producer or standalone) and which ops fall back to high precision.
+
+        Plan lines give the basic-op indices and the modules they belong to (``ops [1, 2]
+        (modules 1-2): ...``); a module that is not a fusible op shows as a boundary line between
+        the fusers around it (``-- module 3: torch.nn.Dropout (not fusible: a boundary) --``).
+        ``near misses``: per rule that matched nowhere, what one op it lacks, e.g.
+        ``linear_bias_activation: needs a Bias between BasicLinear and SwiGLU (at ops 1-2, modules
+        1-2)`` (definition: :func:`fusible_ops.rules.near_misses`). ``x`` and extra inputs (by
+        position or name) as for :meth:`fusion_plan`."""
+        if named:
+            extra_inputs = self._name_table().place(extra_inputs, named)
         lines = []
-        ops = self.basic_ops()
+        ops, owners = self.basic_ops(), self._op_modules()
         lines.append("basic ops: " + ", ".join(f"[{i}] {type(op).__name__}" for i, op in enumerate(ops)))
         plans = self._plans(x, extra_inputs)
-        for (stage, idx) in self._get_stages():
+        stages = self._get_stages()
+        for (stage, idx) in stages:
             if isinstance(stage, _Alone):
                 lines.append(f"module [{idx[0]}] {type(stage.module).__name__} has hooks: runs on its own "
                              f"(a fusion boundary), so its hooks see its inputs and outputs")
@@ -351,7 +444,12 @@ class Sequential(torch.nn.Module):
             lines.extend(_routing_lines(fuser, offset))
         for pass_ in ("forward", "backward"):
             lines.append(f"{pass_} plan:")
-            for _, plan, offset in plans:
+            fusers = iter(plans)
+            for stage, idx in stages:
+                if not isinstance(stage, (OperationFuser, _Alone)):
+                    lines.append(f"  -- module {idx[0]}: {_module_name(stage)} (not fusible: a boundary) --")
+                    continue
+                _, plan, offset = next(fusers)
                 groups = getattr(plan, pass_)
                 if pass_ == "backward" and not plan.requires_grad:
                     lines.append("  (no backward: nothing requires grad)")
@@ -365,7 +463,7 @@ class Sequential(torch.nn.Module):
                     idx = [i + offset for i in g.indices]
                     what = f"rule {g.rule!r} -> {type(g.op).__name__}" if g.rule else "unfused"
                     names = ", ".join(type(o).__name__ for o in g.op.basic_ops)
-                    lines.append(f"  ops {idx}: {what} ({names})")
+                    lines.append(f"  ops {idx} ({_modules_text(owners, idx)}): {what} ({names})")
         declines = [
             (p, d, offset) for _, plan, offset in plans for p, ds in plan.declines.items() for d in ds
         ]
@@ -376,6 +474,7 @@ class Sequential(torch.nn.Module):
                 lines.append(f"  rule {d.rule!r} ({p}) on ops {idx}: {d.reason}")
         else:
             lines.append("declined: none")
+        lines.extend(_near_miss_lines(plans, owners))
         producers = {offset + g.indices[-1] for _, plan, offset in plans for g in plan.forward
                      if getattr(g.op, "writes_fp8_output", False)}
         grad_producers = {offset + g.indices[0] for _, plan, offset in plans for g in plan.backward

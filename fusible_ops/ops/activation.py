@@ -170,6 +170,7 @@ class ScaledSwiGLU(BasicOperation):
     or flat ``[rows]``; its gradient comes back in the scales' own shape when they require one."""
 
     num_extra_inputs = 1
+    extra_input_names = ("scales",)  # (Sequential accepts it by this name: seq(x, scales=...))
     kind = "scaled_swiglu"
     cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
     gated = True

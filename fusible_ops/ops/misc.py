@@ -12,6 +12,7 @@ class AddExtraInput(BasicOperation):
     """``y = x + extra`` (a residual add); ``extra`` is an extra input of x's shape and dtype."""
 
     num_extra_inputs = 1
+    extra_input_names = ("residual",)  # (Sequential accepts it by this name: seq(x, residual=...))
     cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
     replayable = True  # (see FusibleOperation.replayable: an ATen add; its backward passes dy on)
 
