@@ -38,27 +38,30 @@ def moe_sequential(H: int, Fd: int, E: int, k: int, ep_group=None, local=None, *
     return seq
 
 
-def composition(seq: fo.Sequential, k: int):
-    """The plain-PyTorch MoE layer on ``seq``'s own parameters (router logits in float32, as ours)."""
-    wr, w1, w2 = seq[0].weight, seq[2].weight, seq[4].weight
+def grouped_mm_moe(x: torch.Tensor, wr, w1, w2, k: int, record=None) -> torch.Tensor:
+    """The plain-PyTorch MoE layer on [T, H] rows: router logits in float32 (as ours), softmax,
+    top-k renormalised, a stable sort by expert, ``torch._grouped_mm`` for both expert GEMMs.
+    ``record(expert_ids)``, if given, sees the top-k choice."""
+    E = w1.shape[0]
+    p, eid = F.linear(x.float(), wr.float()).softmax(-1).topk(k, dim=-1)
+    if record is not None:
+        record(eid)
+    p = p / p.sum(-1, keepdim=True)
+    flat = eid.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0).to(torch.int32)
+    tok = order // k
+    a, b = torch._grouped_mm(x.index_select(0, tok), w1.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(a) * b, w2.transpose(-2, -1), offs=offs)
+    y = y * p.flatten().index_select(0, order)[:, None].to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, tok, y)
 
-    def forward(x):
-        E = w1.shape[0]
-        logits = F.linear(x.float(), wr.float())
-        probs = logits.softmax(-1)
-        p, eid = probs.topk(k, dim=-1)
-        p = p / p.sum(-1, keepdim=True)
-        flat = eid.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offs = counts.cumsum(0).to(torch.int32)
-        tok = order // k
-        h = torch._grouped_mm(x.index_select(0, tok), w1.transpose(-2, -1), offs=offs)
-        a, b = h.chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(a) * b, w2.transpose(-2, -1), offs=offs)
-        y = y * p.flatten().index_select(0, order)[:, None].to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, tok, y)
-    return forward
+
+def composition(seq: fo.Sequential, k: int):
+    """The plain-PyTorch MoE layer (:func:`grouped_mm_moe`) on ``seq``'s own parameters."""
+    wr, w1, w2 = seq[0].weight, seq[2].weight, seq[4].weight
+    return lambda x: grouped_mm_moe(x, wr, w1, w2, k)
 
 
 def moe_layer(ctx: BenchContext) -> Iterator[Bench]:

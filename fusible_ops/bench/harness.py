@@ -374,7 +374,7 @@ def run_bench(bench, timer: Timer, ceilings: Ceilings, meta: dict, device: torch
             rate = f"{row['gbps']:.0f} GB/s"
         else:
             row["tflops"] = bench.work / (t.median_ms * 1e-3) / 1e12
-            if "fp8" in name.split("_") and ceilings.fp8_tflops:  # fp8_current, graphed_fp8, ...
+            if ("fp8" in name.split("_") or name.startswith("torchao")) and ceilings.fp8_tflops:  # fp8_*, graphed_fp8
                 row["ceiling"] = ceiling_name = "fp8_mm"
                 row["pct_of_ceiling"] = 100.0 * row["tflops"] / ceilings.fp8_tflops
             else:

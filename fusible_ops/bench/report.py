@@ -23,6 +23,7 @@ FAMILIES = [
     ("Dense MLP blocks (bf16 and FP8)", ("mlp_block", "mlp_block_swiglu")),
     ("Grouped expert MLPs (bf16 and FP8)", ("grouped_mlp_8e", "grouped_mlp_64e")),
     ("MoE layer", ("moe_layer",)),
+    ("Model stacks (attention + blocks, bf16 and FP8)", ("dense_layers", "moe_layers")),
     ("Distributed (torchrun)", ("tp_mlp", "ep_moe")),
 ]
 """(title, cases) of each table, in page order; cases of no family go to a last "Other" table."""
