@@ -77,3 +77,27 @@ def test_traced_calls_keep_gradients_of_a_tensor_passed_twice(repeat):
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(gx2, gx)
     torch._dynamo.reset()
+
+
+def test_dynamic_shapes_compile_once_more_than_plain_torch_at_most():
+    """``torch.compile(dynamic=True)`` with ``specialize_float=True`` (docs/graphs-and-compile.md:
+    with torch's default, floats inside the fuser's autograd function become symbolic and dynamo
+    fails to lift them: "lift_tracked_freevar_to_input should not be called on root
+    SubgraphTracer"): new sequence lengths reuse the graph; no break; the output equals eager."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Block())
+    with torch._dynamo.config.patch(specialize_float=True):
+        compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+        for S in (8, 12, 16, 20):
+            x = torch.randn(2, S, D, requires_grad=True)
+            compiled(x).sum().backward()
+        # plain torch.nn: 1 graph; ours: 1 more, from the plans made while the first call is traced
+        assert counters["stats"]["unique_graphs"] <= 2, counters["stats"]
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        x = torch.randn(2, 24, D)
+        torch.testing.assert_close(compiled(x), model(x))
+    torch._dynamo.reset()
