@@ -56,6 +56,28 @@ def _module_name(m: torch.nn.Module) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _input_positions(stages) -> tuple[int, ...]:
+    """Positions, among all the extra inputs of ``stages`` in order, of those the Sequential fills
+    with its own input (ops with ``from_input``: ``AddExtraInput(from_input=True)``)."""
+    out, k = [], 0
+    for stage, _ in stages:
+        if isinstance(stage, (OperationFuser, _Alone)):
+            fuser = stage if isinstance(stage, OperationFuser) else stage.fuser
+            for op, n in zip(fuser.ops, fuser._num_extra_inputs):
+                if getattr(op, "from_input", False):
+                    out.extend(range(k, k + n))
+                k += n
+    return tuple(out)
+
+
+def _with_input(extra_inputs: tuple, positions: tuple, x) -> tuple:
+    """``extra_inputs`` with ``x`` inserted at ``positions`` (ascending, in the full list)."""
+    out, it = [], iter(extra_inputs)
+    for i in range(len(extra_inputs) + len(positions)):
+        out.append(x if i in positions else next(it))
+    return tuple(out)
+
+
 class _Alone:
     """A fusible module with module hooks: it runs through its own ``__call__`` (so its hooks
     see its inputs and outputs) and is a fusion boundary for its neighbours."""
@@ -281,7 +303,9 @@ class Sequential(torch.nn.Module):
                     run_idx.append(i)
             close_run()
             self._stages, self._hook_sig, self._xnames = stages, sig, None
-            self._needed = sum(s.num_extra_inputs for s, _ in stages if isinstance(s, (OperationFuser, _Alone)))
+            self._auto = _input_positions(stages)  # extra inputs the Sequential fills with x itself
+            self._needed = sum(s.num_extra_inputs for s, _ in stages
+                               if isinstance(s, (OperationFuser, _Alone))) - len(self._auto)
             # one fuser and nothing else: calls go straight to it (the common case, host time)
             self._only = stages[0][0] if len(stages) == 1 and isinstance(stages[0][0], OperationFuser) else None
         return self._stages
@@ -292,6 +316,8 @@ class Sequential(torch.nn.Module):
             extra_inputs = self._name_table().place(extra_inputs, named)
         if len(extra_inputs) != self._needed:
             raise TypeError(self._name_table().count_error(len(extra_inputs)))
+        if self._auto:  # AddExtraInput(from_input=True): x itself at those positions
+            extra_inputs = _with_input(extra_inputs, self._auto, x)
         if self._only is not None:
             return self._only(x, *extra_inputs)
         extra_outputs, k = [], 0
@@ -329,7 +355,7 @@ class Sequential(torch.nn.Module):
                 if isinstance(stage, (OperationFuser, _Alone)):
                     fuser = stage if isinstance(stage, OperationFuser) else stage.fuser
                     for op, n in zip(fuser.ops, fuser._num_extra_inputs):  # (routed ops take none)
-                        entries.append((op, n, owners[g]))
+                        entries.append((op, 0 if getattr(op, "from_input", False) else n, owners[g]))
                         g += 1
             table = self._xnames = NameTable(entries)
         return table
@@ -351,6 +377,8 @@ class Sequential(torch.nn.Module):
         (so the report is what runs, with the ops' current state), or before any call, a training call with an input
         of the parameters' dtype and device."""
         stages = self._get_stages()
+        if x is not None and self._auto and len(extra_inputs) == self._needed:
+            extra_inputs = _with_input(extra_inputs, self._auto, x)
         out, offset, k = [], 0, 0
         for stage, _ in stages:
             if not isinstance(stage, (OperationFuser, _Alone)):

@@ -9,12 +9,32 @@ from .validation import check_input, check_same
 
 
 class AddExtraInput(BasicOperation):
-    """``y = x + extra`` (a residual add); ``extra`` is an extra input of x's shape and dtype."""
+    """``y = x + extra`` (a residual add); ``extra`` is an extra input of x's shape and dtype.
+
+    ``from_input=True``: ``extra`` is the input of the enclosing :class:`~fusible_ops.Sequential`,
+    which passes it itself, so a whole residual block is one Sequential called with one tensor:
+    ``fo.Sequential(fo.RMSNorm(d), ..., fo.Linear(f, d), fo.AddExtraInput(from_input=True))(h)``
+    is ``h + mlp(norm(h))``, with the residual fusions (``linear_add``) applied. The Sequential
+    then takes no extra input for this op (``extra_input_names`` leaves it out); the input's
+    gradient sums both of its uses. Called alone, outside a Sequential, the op adds its own input.
+    """
 
     num_extra_inputs = 1
     extra_input_names = ("residual",)  # (Sequential accepts it by this name: seq(x, residual=...))
     cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
     replayable = True  # (see FusibleOperation.replayable: an ATen add; its backward passes dy on)
+
+    def __init__(self, *, from_input: bool = False) -> None:
+        super().__init__()
+        self.from_input = bool(from_input)
+
+    def extra_repr(self) -> str:
+        return "from_input=True" if self.from_input else ""
+
+    def forward(self, x: torch.Tensor, *extra_inputs):
+        if self.from_input and not extra_inputs:  # (alone: its own input is the Sequential's)
+            extra_inputs = (x,)
+        return super().forward(x, *extra_inputs)
 
     @classmethod
     def _example(cls, n: int, **factory):
