@@ -46,6 +46,7 @@ import fusible_ops as fo
 
 from .cases import CASES, EPS, FP8_REL_ERR, Bench, BenchContext, Case, Lazy, _with_compile, fp8_variants, graphed
 from .cases_moe import grouped_mm_moe, moe_sequential
+from .common import is_fp8_variant
 from ..ops.moe import record_routing
 
 DENSE_CONFIGS = {
@@ -416,7 +417,7 @@ def _stack_bench(ctx: BenchContext, case: str, config: str, shape: str, work: fl
         # graph replay runs no Python: the graphed variants take the choice of the eager module
         # running the same kernels
         variants = _recording(variants, log, sources={"graphed": ours, "graphed_fp8": variants.get("fp8_current")})
-    fp8_names = [n for n in variants if "fp8" in n.split("_") or n.startswith("torchao")]
+    fp8_names = [n for n in variants if is_fp8_variant(n)]
 
     def new_copy():
         return (ctx.randn(B, S, d, requires_grad=True),), ctx.randn(B, S, d)

@@ -11,6 +11,16 @@ import sys
 import torch
 
 
+FP8_PEERS = ("torchao",)
+"""Name prefixes of peer variants that train in FP8."""
+
+
+def is_fp8_variant(name: str) -> bool:
+    """A variant that runs its GEMMs in FP8: ours (``fp8_current``, ``graphed_fp8``, ...) or an FP8
+    peer (:data:`FP8_PEERS`). Rated against the FP8 matmul ceiling, held to the FP8 tolerance."""
+    return "fp8" in name.split("_") or name.startswith(FP8_PEERS)
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 

@@ -45,7 +45,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .common import device_name, driver_version, free_memory, log as _log, pin_to_one_core, versions as _versions
+from .common import device_name, driver_version, free_memory, is_fp8_variant, log as _log, pin_to_one_core
+from .common import versions as _versions
 from .cases import Lazy
 from .timing import Timer, Timing, n_copies_for
 
@@ -374,7 +375,7 @@ def run_bench(bench, timer: Timer, ceilings: Ceilings, meta: dict, device: torch
             rate = f"{row['gbps']:.0f} GB/s"
         else:
             row["tflops"] = bench.work / (t.median_ms * 1e-3) / 1e12
-            if ("fp8" in name.split("_") or name.startswith("torchao")) and ceilings.fp8_tflops:  # fp8_*, graphed_fp8
+            if is_fp8_variant(name) and ceilings.fp8_tflops:
                 row["ceiling"] = ceiling_name = "fp8_mm"
                 row["pct_of_ceiling"] = 100.0 * row["tflops"] / ceilings.fp8_tflops
             else:

@@ -17,6 +17,8 @@ import math
 import os
 from typing import Optional
 
+from .common import is_fp8_variant
+
 FAMILIES = [
     ("Elementwise and normalization", ("bias_gelu", "swiglu", "residual_rmsnorm", "gelu_dropout", "layernorm",
                                        "norm_sizes")),
@@ -67,20 +69,17 @@ def _groups(rows: list[dict]) -> dict:
     return out
 
 
-FP8_PEERS = ("torchao",)
-"""Peers that train in FP8: their time is divided by our ``fp8_current`` variant's where the case
-has one (an FP8 peer against our bf16 plan would compare recipes, not implementations)."""
-
-
 def _base(name: str, variants: dict) -> str:
-    if name.startswith(FP8_PEERS) and _num(variants.get("fp8_current", {}).get("median_ms")) is not None:
+    """The variant a row's time is divided by: ``fused``, or ``fp8_current`` for an FP8 peer (an
+    FP8 peer against our bf16 plan would compare recipes, not implementations)."""
+    if _is_peer(name) and is_fp8_variant(name) and _num(variants.get("fp8_current", {}).get("median_ms")) is not None:
         return "fp8_current"
     return "fused"
 
 
 def speedups(variants: dict) -> dict:
     """{other variant: its median / the fused median} (how much faster the fused variant is);
-    FP8 peers over ``fp8_current`` instead (:data:`FP8_PEERS`)."""
+    FP8 peers over ``fp8_current`` instead (:func:`_base`)."""
     if _num(variants.get("fused", {}).get("median_ms")) is None:
         return {}
     return {name: _num(r.get("median_ms")) / _num(variants[_base(name, variants)]["median_ms"])
