@@ -56,17 +56,23 @@ def _module_name(m: torch.nn.Module) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _op_extra_inputs(stages):
+    """``(basic op, number of extra inputs its fuser gives it)`` for every op of the fusible stages,
+    in order (routed grouped linears take none: their split sizes come from the routing)."""
+    for stage, _ in stages:
+        if isinstance(stage, (OperationFuser, _Alone)):
+            fuser = stage if isinstance(stage, OperationFuser) else stage.fuser
+            yield from zip(fuser.ops, fuser._num_extra_inputs)
+
+
 def _input_positions(stages) -> tuple[int, ...]:
     """Positions, among all the extra inputs of ``stages`` in order, of those the Sequential fills
     with its own input (ops with ``from_input``: ``AddExtraInput(from_input=True)``)."""
     out, k = [], 0
-    for stage, _ in stages:
-        if isinstance(stage, (OperationFuser, _Alone)):
-            fuser = stage if isinstance(stage, OperationFuser) else stage.fuser
-            for op, n in zip(fuser.ops, fuser._num_extra_inputs):
-                if getattr(op, "from_input", False):
-                    out.extend(range(k, k + n))
-                k += n
+    for op, n in _op_extra_inputs(stages):
+        if getattr(op, "from_input", False):
+            out.extend(range(k, k + n))
+        k += n
     return tuple(out)
 
 
@@ -350,13 +356,8 @@ class Sequential(torch.nn.Module):
         are rebuilt)."""
         table = self._xnames
         if table is None:
-            stages, owners, g, entries = self._get_stages(), self._op_modules(), 0, []
-            for stage, _ in stages:
-                if isinstance(stage, (OperationFuser, _Alone)):
-                    fuser = stage if isinstance(stage, OperationFuser) else stage.fuser
-                    for op, n in zip(fuser.ops, fuser._num_extra_inputs):  # (routed ops take none)
-                        entries.append((op, 0 if getattr(op, "from_input", False) else n, owners[g]))
-                        g += 1
+            entries = [(op, 0 if getattr(op, "from_input", False) else n, module)  # (from_input: not the caller's)
+                       for (op, n), module in zip(_op_extra_inputs(self._get_stages()), self._op_modules())]
             table = self._xnames = NameTable(entries)
         return table
 
