@@ -204,6 +204,8 @@ class OperationFuser:
         self._parametrized = False
         self._wgrad_flagged = False
         self.last_key: Optional[tuple] = None  # key of the last call (fusion_plan() reports it)
+        self._refresh(tuple([op.state_version for op in ops]))  # (now: a first call traced by
+        # torch.compile then finds it done, and dynamo guards on no attribute the trace wrote)
 
     def __setstate__(self, state: dict) -> None:
         # (copy.deepcopy of a module, unpickling: the copy's cached plans leave the same weights
@@ -279,7 +281,8 @@ class OperationFuser:
         return grad_on, x, extras
 
     def _make_plan(self, x: torch.Tensor, extra_inputs: Sequence, params: Sequence[torch.Tensor]) -> Plan:
-        self.num_plans_made += 1
+        if not _is_compiling():
+            self.num_plans_made += 1
         ops = self.ops
         grad_on = torch.is_grad_enabled()
         extras = self._split_extra(extra_inputs)
@@ -373,7 +376,11 @@ class OperationFuser:
             raise TypeError(
                 f"expected {self.num_extra_inputs} extra input(s) (for {names}), got {len(extra_inputs)}"
             )
-        if _STATE_EPOCH[0] != self._epoch:  # some op's state changed since the last call
+        if _is_compiling():  # (traced: the ops' own versions, not the global epoch, which any op
+            versions = tuple([op.state_version for op in self.ops])  # anywhere moves)
+            if versions != self._versions:
+                self._refresh(versions)
+        elif _STATE_EPOCH[0] != self._epoch:  # some op's state changed since the last call
             self._epoch = _STATE_EPOCH[0]
             versions = tuple([op.state_version for op in self.ops])
             if versions != self._versions:
@@ -389,7 +396,10 @@ class OperationFuser:
 
     def _run(self, x: torch.Tensor, extra_inputs: tuple, params: list):
         key = self._key(x, extra_inputs, params)
-        plan = self._plans.get(key) or self._new_plan(key, x, extra_inputs, params)
+        if not _is_compiling():
+            plan = self._plans.get(key) or self._new_plan(key, x, extra_inputs, params)
+        else:  # traced: planned afresh, the cache neither read nor written (dynamo would guard on
+            plan = self._make_plan(x, extra_inputs, params)  # its contents: a recompile per new plan)
         self.last_key = key
         if self._wgrad_flagged and plan.requires_grad:
             check_flagged_ops(self.ops, params, plan.param_counts)

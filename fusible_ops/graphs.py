@@ -41,6 +41,7 @@ op would read on the host).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Union
 
 import torch
@@ -266,7 +267,7 @@ def _install_after_backward(module: torch.nn.Module, ops, delayed: dict, fp8_wei
     my_fp8 = [e for e in fp8_weights if id(e[0]) in owners]
     flagged = [p for op in mine if op.accumulate_into_main_grad and id(op) not in delayed for p in _wgrad_params(op)]
     queued = [(op, delayed[id(op)]) for op in mine if id(op) in delayed]
-    graphed_forward = module.forward
+    graphed_forward = _without_cycle(module)
 
     def after_backward(grad_inputs, grad_outputs):
         for p in flagged:
@@ -288,6 +289,54 @@ def _install_after_backward(module: torch.nn.Module, ops, delayed: dict, fp8_wei
 
     forward._fusible_ops_graphed = True
     module.forward = forward
+
+
+def _cells(fn) -> dict:
+    """A closure's free variables by name, as cells (empty when ``fn`` has none)."""
+    return dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+
+
+def _without_cycle(module: torch.nn.Module):
+    """The graphed forward torch installed on ``module``, re-made so that ``del module`` frees its
+    parameters without the cyclic garbage collector.
+
+    torch's forward closes over the module itself (``module -> forward -> module``), and its
+    replay runs through an autograd function class made per capture, which holds the parameters
+    (its static inputs) and is, as every class, in a cycle of its own. The forward returned here
+    holds the module by a weak reference, and when the module is freed the capture's forward-side
+    references (the parameters, static inputs and outputs, the forward graph) are dropped from those
+    closures. An output of the module still waiting for its backward keeps its backward graph.
+    Falls back to torch's forward as it is when its closure is not the one expected."""
+    fwd = module.forward
+    cells = _cells(fwd)
+    if not {"func", "graph_training_state", "graphed", "orig_fwd"} <= cells.keys():
+        return fwd
+    functionalized = cells["graphed"].cell_contents
+    state = cells["graph_training_state"].cell_contents
+    orig = cells["orig_fwd"].cell_contents
+    unbound = orig.__func__ if getattr(orig, "__self__", None) is module else None
+    if unbound is None:
+        return fwd
+    ref = weakref.ref(module)
+
+    def forward(*args, **kwargs):
+        m = ref()
+        if m.training == state:
+            return functionalized(*args, **kwargs)
+        return unbound(m, *args, **kwargs)
+
+    outer = _cells(functionalized)
+    graphed_cls = outer.get("Graphed")
+    dropped = list(outer.values())
+    if graphed_cls is not None:
+        dropped += _cells(graphed_cls.cell_contents.forward).values()
+    weakref.finalize(module, _drop, dropped)
+    return forward
+
+
+def _drop(cells: list) -> None:
+    for c in cells:
+        c.cell_contents = None
 
 
 __all__ = ["make_graphed_callables"]

@@ -42,6 +42,7 @@ import os
 import struct
 import threading
 import warnings
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -484,8 +485,11 @@ def replayer_for(fuser, plan, device_type: str, n_extra: int, recipe) -> Optiona
 
 
 def _attach(fuser, plan, layout, n_extra: int, recipe) -> None:
-    """The plan extension's hook (once per new plan of every fuser): ``plan.replay``."""
-    plan.replay = replayer_for(fuser, plan, plan.device_type, n_extra, recipe)
+    """The plan extension's hook (once per new plan of every fuser): ``plan.replay``. None for a
+    plan made while torch.compile traces (compiled calls are never replayed; the replayer's
+    registrations would be state dynamo guards on: a recompile on the next call)."""
+    plan.replay = None if torch.compiler.is_compiling() else replayer_for(
+        fuser, plan, plan.device_type, n_extra, recipe)
 
 
 _autocast = torch.is_autocast_enabled
@@ -497,7 +501,9 @@ class Replayer:
     call's output, or None when the call must take the Python path."""
 
     def __init__(self, fuser, plan, n_extra: int) -> None:
-        self.fuser, self.plan, self.n_extra = fuser, plan, n_extra
+        # (held weakly: the fuser holds the plan, which holds this; strong references back would be
+        # a cycle that keeps the model's parameters alive after ``del`` until the cyclic GC runs)
+        self._fuser, self._plan, self.n_extra = weakref.ref(fuser), weakref.ref(plan), n_extra
         self.recipes = _launch.geometry_cache()  # (emptied with the launch geometries: tiling may change)
         self.run_recipe = None
         self.replayed = 0  # calls served (tests read it)
@@ -507,6 +513,14 @@ class Replayer:
         # A copy (copy.deepcopy, pickling) records its own recipes: a recipe is a C++ object
         # bound to this process's compiled kernels.
         return {"fuser": self.fuser, "plan": self.plan, "n_extra": self.n_extra}
+
+    @property
+    def fuser(self):
+        return self._fuser()
+
+    @property
+    def plan(self):
+        return self._plan()
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["fuser"], state["plan"], state["n_extra"])

@@ -185,6 +185,14 @@ class Sequential(torch.nn.Module):
         for i, m in enumerate(modules):
             self._check_module(m)
             self.add_module(str(i), m)
+        # Built now, so that a first call traced by torch.compile finds them made: dynamo guards on
+        # what the trace reads, and a trace that built them would recompile on the next call. (An
+        # invalid chain raises at the first call, as one built by append() does.)
+        try:
+            self._get_stages()
+            self._name_table()
+        except Exception:
+            self._invalidate()
 
     @property
     def rules(self) -> Optional[RuleSet]:

@@ -272,3 +272,38 @@ def test_first_tuning_inside_a_capture_is_refused_by_name_and_cuda_stays_usable(
     assert torch.isfinite(xs.grad).all()
     with pytest.raises(ValueError, match="Sequential is already graphed"):  # a capture cannot hold a replay
         fo.make_graphed_callables(graphed, (xs,))
+
+
+@pytest.mark.parametrize("recipe", [None, "current"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_dropping_a_graphed_model_frees_its_parameters_without_gc(recipe, train):
+    """``del`` of a graphed model (and of what make_graphed_callables returned) frees its
+    parameters at once: the graphed forward holds the module weakly, and the capture's
+    forward-side references are dropped with the module (torch's own closes over the module and
+    replays through a per-capture class, both cycles). In eval mode the original forward runs."""
+    import gc
+    import weakref
+
+    if recipe is not None:
+        from fusible_ops.kernels.fp8_gemm import fp8_capable
+        if not fp8_capable(torch.device(DEV)):
+            pytest.skip("needs FP8 tensor cores")
+    recipe = {None: None, "current": fo.Float8CurrentScaling()}[recipe]
+    gc.collect()
+    gc.disable()
+    try:
+        seq = _dense(main_grad=False)
+        _main_grads(seq)
+        refs = [weakref.ref(p) for p in seq.parameters()] + [weakref.ref(seq)]
+        x = torch.randn(16, 64, device=DEV, dtype=DT, requires_grad=True)
+        with fo.autocast(recipe=recipe):
+            graphed = fo.make_graphed_callables(seq, (x,), num_warmup_iters=1)
+        graphed.train(train)
+        with fo.autocast(recipe=recipe):
+            for _ in range(2):
+                graphed(x).sum().backward()
+        del seq, graphed
+        alive = [r for r in refs if r() is not None]
+        assert not alive, f"{len(alive)} of {len(refs)} objects outlive `del` until the cyclic GC runs"
+    finally:
+        gc.enable()

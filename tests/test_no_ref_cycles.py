@@ -70,3 +70,30 @@ def _saved(module, io):
     torch.save(module, buf)
     buf.seek(0)
     return buf
+
+
+@pytest.mark.gpu
+def test_deleted_cuda_model_frees_its_parameters_after_replayed_calls():
+    """On CUDA a plan's calls are replayed from C++ from the second call (fusible_ops.replay): its
+    replayer holds the fuser and the plan weakly, so ``del`` still frees the parameters."""
+    from fusible_ops import replay
+
+    gc.collect()
+    gc.disable()
+    try:
+        torch.manual_seed(0)
+        kw = dict(device="cuda", dtype=torch.bfloat16)
+        model = fo.Sequential(fo.RMSNorm(256, **kw), fo.Linear(256, 512, bias=False, **kw), fo.SwiGLU(),
+                              fo.Linear(256, 256, bias=False, **kw), fo.AddExtraInput(from_input=True))
+        refs = [weakref.ref(p) for p in model.parameters()] + [weakref.ref(model)]
+        x = torch.randn(512, 256, **kw, requires_grad=True)  # (above the native-autograd size)
+        for _ in range(4):
+            model(x).sum().backward()
+        fusers = [s for s, _ in model._stages if isinstance(s, fo.OperationFuser)]
+        assert replay.extension() is None or any(
+            p.replay is not None and p.replay.replayed for f in fusers for p in f._plans.values())
+        del model, fusers
+        alive = [r for r in refs if r() is not None]
+        assert not alive, f"{len(alive)} of {len(refs)} objects outlive `del model` until the cyclic GC runs"
+    finally:
+        gc.enable()

@@ -189,8 +189,34 @@ def run(device: torch.device, warmup: int = 20, rep: int = 200) -> list[dict]:
         del ours, peer, functional, ours_args, peer_args, dy, fns
         free_memory(device)
     if device.type == "cuda":
+        from ..kernels.fp8_gemm import fp8_capable
+        if fp8_capable(device):
+            rows.append(_fp8_host(device, warmup, rep))
         rows.append(_training_step(device, dtype))
     return rows
+
+
+def _fp8_host(device, warmup: int, rep: int, hidden: int = 2048, ffn: int = 5632, tokens: int = 4096) -> dict:
+    """Host us per fwd+bwd call of one Llama MLP block Sequential (RMSNorm -> Linear -> SwiGLU ->
+    Linear -> residual, no biases) in bf16 and under FP8 current scaling, timed in turns (the
+    issue's target: FP8 / bf16 <= 1.3x)."""
+    torch.manual_seed(0)
+    kw = dict(device=device, dtype=torch.bfloat16)
+    block = fo.Sequential(fo.RMSNorm(hidden, **kw), fo.Linear(hidden, 2 * ffn, bias=False, **kw), fo.SwiGLU(),
+                          fo.Linear(ffn, hidden, bias=False, **kw), fo.AddExtraInput(from_input=True))
+    x = torch.randn(tokens, hidden, **kw, requires_grad=True)
+    dy = torch.randn(tokens, hidden, **kw)
+    recipe = fo.Float8CurrentScaling()
+
+    def bf16():
+        block(x).backward(dy)
+
+    def fp8():
+        with fo.autocast(recipe=recipe):
+            block(x).backward(dy)
+    (b, f) = host_times_interleaved([bf16, fp8], device, warmup, rep)
+    return {"workload": "llama_mlp_fp8_host", "shape": f"d={hidden} f={ffn} tokens={tokens}",
+            "bf16_us": b, "fp8_us": f}
 
 
 def _training_step(device, dtype, hidden: int = 1024, blocks: int = 4, tokens: int = 4096) -> dict:
@@ -237,6 +263,10 @@ def markdown(rows: list[dict], device: str) -> str:
         ratio_f = f"{o[0] / f[0]:.2f}x" if f else "-"
         lines.append(f"| {r['workload']} | {r['shape']} | {us(o)} | {us(t)} | {o[0] / t[0]:.2f}x | {us(f)} | "
                      f"{ratio_f} | {us(r.get('graphed_us'))} |")
+    for r in rows:
+        if "fp8_us" in r:
+            lines += ["", f"{r['workload']} ({r['shape']}): host us per fwd+bwd call, bf16 {us(r['bf16_us'])}, "
+                          f"FP8 current {us(r['fp8_us'])}, FP8 / bf16 {r['fp8_us'][0] / r['bf16_us'][0]:.2f}x"]
     for r in rows:
         if "eager_step_ms" in r:
             lines += ["", f"{r['workload']} ({r['shape']}): eager {r['eager_step_ms']:.3f} ms/step, graphed "
