@@ -204,6 +204,9 @@ class OperationFuser:
         self._parametrized = False
         self._wgrad_flagged = False
         self.last_key: Optional[tuple] = None  # key of the last call (fusion_plan() reports it)
+        self._choices: dict = {}  # geometry -> rule names a tuned plan leaves out (fusible_ops.tuning)
+        self.tuning_notes: dict = {}  # geometry -> what tuning measured (explain() shows it)
+        self.last_off: frozenset = frozenset()  # rules the last call's tuned plan left out
         self._refresh(tuple([op.state_version for op in ops]))  # (now: a first call traced by
         # torch.compile then finds it done, and dynamo guards on no attribute the trace wrote)
 
@@ -254,20 +257,51 @@ class OperationFuser:
             disabled_key(),
         )
 
-    def plan_for(self, x: torch.Tensor, extra_inputs: Sequence = (), params: Optional[Sequence] = None) -> Plan:
-        """The (cached) plan for a call with these inputs."""
+    def plan_for(self, x: torch.Tensor, extra_inputs: Sequence = (), params: Optional[Sequence] = None,
+                 off: Optional[frozenset] = None) -> Plan:
+        """The (cached) plan for a call with these inputs (``off``: the rules a tuned choice leaves
+        out; None: the choice tuning made for this geometry, if any)."""
         if params is None:
             params = self._params()
-        key = self._key(x, extra_inputs, params)
-        return self._plans.get(key) or self._new_plan(key, x, extra_inputs, params)
+        if off is None:
+            key, off = self._chosen(self._key(x, extra_inputs, params), x, extra_inputs, params, tune=False)
+        else:
+            key = self._key(x, extra_inputs, params) + ((off,) if off else ())
+        return self._plans.get(key) or self._new_plan(key, x, extra_inputs, params, off)
 
-    def _new_plan(self, key: tuple, x: torch.Tensor, extra_inputs: Sequence, params: Sequence) -> Plan:
-        plan = self._make_plan(x, extra_inputs, params)
+    def _new_plan(self, key: tuple, x: torch.Tensor, extra_inputs: Sequence, params: Sequence,
+                  off: frozenset = frozenset()) -> Plan:
+        plan = self._make_plan(x, extra_inputs, params, off)
         self._plans[key] = plan
         # A rule's builder may have assigned op attributes: file the plan under the key of the
-        # state it leaves too, so the next call finds it.
-        self._plans.setdefault(self._key(x, extra_inputs, self._params()), plan)
+        # state it leaves too, so the next call finds it. (Not a tuned plan: its key is the geometry's.)
+        if not off:
+            self._plans.setdefault(self._key(x, extra_inputs, self._params()), plan)
         return plan
+
+    @staticmethod
+    def geometry(key: tuple, x: torch.Tensor, extra_inputs: Sequence) -> tuple:
+        """What a tuned choice is kept for: the plan key and the inputs' shapes."""
+        return (key, tuple(x.shape), tuple([tuple(e.shape) if isinstance(e, torch.Tensor) else e
+                                            for e in extra_inputs]))
+
+    def _chosen(self, key: tuple, x: torch.Tensor, extra_inputs: Sequence, params: Sequence,
+                tune: bool = True) -> tuple:
+        """``(key, off)``: the plan key extended by the rules a tuned choice leaves out for this
+        geometry, and those rules (``off``; empty: the rule set's static plan). With ``tune`` and
+        :func:`fusible_ops.tuning.enable` on, a geometry met for the first time is tuned here (never
+        while torch.compile traces or a CUDA graph captures: the static plan is used then)."""
+        if not self._choices and _TUNER[0] is None:
+            return key, frozenset()
+        geo = self.geometry(key, x, extra_inputs)
+        off = self._choices.get(geo)
+        if off is None:
+            tuner = _TUNER[0]
+            if (not tune or tuner is None or _is_compiling()
+                    or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+                return key, frozenset()
+            off = self._choices[geo] = tuner(self, geo, x, extra_inputs, params)
+        return (key + (off,) if off else key), off
 
     def last_call_inputs(self) -> Optional[tuple]:
         """Stand-ins ``(grad_enabled, x, extra_inputs)`` with the planning-relevant properties
@@ -280,7 +314,9 @@ class OperationFuser:
         extras = tuple(torch.empty(0, requires_grad=True) if rg else None for rg in extra_rg)
         return grad_on, x, extras
 
-    def _make_plan(self, x: torch.Tensor, extra_inputs: Sequence, params: Sequence[torch.Tensor]) -> Plan:
+    def _make_plan(self, x: torch.Tensor, extra_inputs: Sequence, params: Sequence[torch.Tensor],
+                   off: frozenset = frozenset()) -> Plan:
+        """A new plan for these inputs; rules named in ``off`` are left out (a tuned choice)."""
         if not _is_compiling():
             self.num_plans_made += 1
         ops = self.ops
@@ -301,6 +337,10 @@ class OperationFuser:
         backward_stop = next((i for i, n in enumerate(needs_grad_at) if n), len(ops))
 
         rs = self._rule_set()
+
+        def rules(pass_: str) -> list:
+            found = rs.rules(pass_)
+            return [r for r in found if r.name not in off] if off else found
         base = dict(
             dtype=x.dtype,
             device=x.device,
@@ -310,12 +350,12 @@ class OperationFuser:
         )
         joint, joint_declines = [], []
         if requires_grad:
-            joint, joint_declines = plan_pass(ops, rs.rules("joint"), FusionContext(pass_="joint", **base))
+            joint, joint_declines = plan_pass(ops, rules("joint"), FusionContext(pass_="joint", **base))
             joint = [g for g in joint if g.rule is not None]
         taken = {g.indices[0]: g for g in joint}
-        fwd, fwd_declines = plan_pass(ops, rs.rules("forward"), FusionContext(pass_="forward", **base), taken)
+        fwd, fwd_declines = plan_pass(ops, rules("forward"), FusionContext(pass_="forward", **base), taken)
         if requires_grad:
-            bwd, bwd_declines = plan_pass(ops, rs.rules("backward"), FusionContext(pass_="backward", **base), taken)
+            bwd, bwd_declines = plan_pass(ops, rules("backward"), FusionContext(pass_="backward", **base), taken)
         else:
             bwd, bwd_declines = [], []
         _verify(ops, fwd, "forward")
@@ -396,10 +436,14 @@ class OperationFuser:
 
     def _run(self, x: torch.Tensor, extra_inputs: tuple, params: list):
         key = self._key(x, extra_inputs, params)
+        off = frozenset()
+        if self._choices or _TUNER[0] is not None:  # (tuned plans: fusible_ops.tuning)
+            key, off = self._chosen(key, x, extra_inputs, params)
+            self.last_off = off
         if not _is_compiling():
-            plan = self._plans.get(key) or self._new_plan(key, x, extra_inputs, params)
+            plan = self._plans.get(key) or self._new_plan(key, x, extra_inputs, params, off)
         else:  # traced: planned afresh, the cache neither read nor written (dynamo would guard on
-            plan = self._make_plan(x, extra_inputs, params)  # its contents: a recompile per new plan)
+            plan = self._make_plan(x, extra_inputs, params, off)  # its contents: a recompile per new plan)
         self.last_key = key
         if self._wgrad_flagged and plan.requires_grad:
             check_flagged_ops(self.ops, params, plan.param_counts)
@@ -611,6 +655,7 @@ def _run_forward(fuser: OperationFuser, plan: Plan, ctxs: list, x: torch.Tensor,
 # unwraps dead functorch wrappers and calls the C++ apply. Eager calls do exactly that here without
 # its other per-call work; traced calls (torch.compile) and functorch transforms go through it.
 _RAW_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _FuserFunction)
+_TUNER: list = [None]  # tuner(fuser, geometry, x, extra_inputs, params) -> off; set by fusible_ops.tuning
 _unwrap = torch._C._functorch.unwrap_if_dead
 _transforms_active = torch._C._are_functorch_transforms_active
 _is_compiling = torch.compiler.is_compiling

@@ -13,6 +13,7 @@ from .extra_inputs import NameTable
 from .fuser import OperationFuser
 from .op import BasicOperation, FusibleOperation
 from .rules import RuleSet, find_near_misses, group_near_misses
+from .tuning import notes_lines
 
 
 def _basic_ops_of(module: torch.nn.Module) -> Optional[list[BasicOperation]]:
@@ -405,8 +406,8 @@ class Sequential(torch.nn.Module):
             else:
                 sample, ex = x, extra_inputs[k : k + n]
             k += n
-            with torch.set_grad_enabled(grad_on):
-                out.append((fuser, fuser.plan_for(sample, ex), offset))
+            with torch.set_grad_enabled(grad_on):  # (without x: the last call's tuned choice too)
+                out.append((fuser, fuser.plan_for(sample, ex, off=fuser.last_off if x is None else None), offset))
             offset += len(fuser.ops)
         return out
 
@@ -512,6 +513,8 @@ class Sequential(torch.nn.Module):
         else:
             lines.append("declined: none")
         lines.extend(_near_miss_lines(plans, owners))
+        for fuser, _, _ in plans:  # (fusible_ops.tuning: the candidates measured and the choice)
+            lines.extend(notes_lines(fuser))
         producers = {offset + g.indices[-1] for _, plan, offset in plans for g in plan.forward
                      if getattr(g.op, "writes_fp8_output", False)}
         grad_producers = {offset + g.indices[0] for _, plan, offset in plans for g in plan.backward

@@ -15,6 +15,7 @@ Work counted per call (forward + backward):
 from __future__ import annotations
 
 import copy
+import time
 
 import dataclasses
 from typing import Any, Callable, Iterator, Optional
@@ -24,6 +25,8 @@ import torch.nn.functional as F
 
 import fusible_ops as fo
 from fusible_ops.testing.fp8 import SQNR_DB
+
+from .common import log
 
 SKEW_FACTOR = 8  # skewed routing: the heavy expert gets SKEW_FACTOR x the mean
 ALIGN_ROWS = 16  # skewed routing: group sizes are multiples of this where possible
@@ -155,6 +158,25 @@ def graphed(ctx: BenchContext, module, args: Callable[[tuple], tuple], recipe=No
             return out[0] if isinstance(out, tuple) else out
         return call
     return {"graphed" if recipe is None else "graphed_fp8": Lazy(make)}
+
+
+def tuned(ctx: BenchContext, module, args: Callable[[tuple], tuple], out: Callable = lambda y: y) -> dict:
+    """``{"tuned": ...}``: a copy of ``module`` sharing its parameters (the case checks their
+    gradients), its plans tuned by :func:`fusible_ops.tune` on clones of the first input copy when
+    the harness reaches it (no disk cache: every run measures); the tuning pass's wall time is
+    logged. ``out(y)``: the variant's result from the module's output."""
+    def make(inputs):
+        static = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
+        shared = {id(p): p for p in module.parameters()}
+        twin = copy.deepcopy(module, shared)
+        t0 = time.perf_counter()
+        lines = fo.tune(twin, *args(static), disk=False)
+        log(f"tuning pass: {time.perf_counter() - t0:.2f} s; " + " | ".join(l.strip() for l in lines))
+
+        def call(*inp):
+            return out(twin(*args(inp)))
+        return call
+    return {"tuned": Lazy(make)}
 
 
 def _shape(*dims) -> str:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import fusible_ops as fo
 
-from .cases import CASES, FP8_REL_ERR, Bench, BenchContext, Case, _with_compile, graphed
+from .cases import CASES, FP8_REL_ERR, Bench, BenchContext, Case, _with_compile, graphed, tuned
 
 SHAPES = [(24576, 1536, 256, 128, 8), (32768, 2048, 768, 128, 8), (16384, 4096, 14336, 8, 2)]
 """(tokens, hidden, expert ffn, experts, top_k): a fine-grained, a Qwen3-30B-A3B-like and a
@@ -85,6 +85,7 @@ def moe_layer(ctx: BenchContext) -> Iterator[Bench]:
         variants = {"fused": fused, "unfused": unfused, "fp8_current": fp8_current, "eager": eager}
         _with_compile(ctx, variants, eager)
         variants.update(graphed(ctx, seq, lambda inp: inp))
+        variants.update(tuned(ctx, seq, lambda inp: inp, out=lambda y: y[0]))
 
         def new_copy(T=T, H=H):
             return (ctx.randn(T, H, requires_grad=True),), ctx.randn(T, H)
@@ -96,7 +97,8 @@ def moe_layer(ctx: BenchContext) -> Iterator[Bench]:
             plan_args=lambda inp: (inp[0],), expected_rules=("moe_dispatch_mlp",),
             tolerances={"fp8_current": FP8_REL_ERR},
             notes={"eager": "plain-PyTorch composition (torch._grouped_mm)", "unfused": "every fusion rule disabled",
-                   "graphed": "fo.make_graphed_callables (includes copying x into the static input)"},
+                   "graphed": "fo.make_graphed_callables (includes copying x into the static input)",
+                   "tuned": "plans chosen by fo.tune on the first input copy (prefer='speed')"},
         )
         del seq, variants, eager, fused, unfused, fp8_current, new_copy
 
