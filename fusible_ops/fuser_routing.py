@@ -15,7 +15,7 @@ from .ops.moe import routing_layout
 from .quantization.tensor import Float8Tensor
 
 if TYPE_CHECKING:
-    from .fuser import Plan
+    from .fuser_plan import Plan
 
 
 class RoutedSteps:

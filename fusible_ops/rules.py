@@ -63,6 +63,11 @@ class FusionContext:
     requires_grad: bool  # backward will run through the fuser
     training: bool
     pass_: str
+    cost_hints: bool = True  # False: rules' cost hints are ignored (a tuning candidate)
+
+
+COST_HINTS = "cost hints"
+"""The name under which a tuned choice leaves the rules' cost hints out (fusible_ops.tuning)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +78,11 @@ class FusionRule:
     build: Callable[[list], Any]
     check: Optional[Callable[[list, FusionContext], Union[bool, str, None]]] = None
     priority: int = 0
+    cost: Optional[Callable[[list, FusionContext], Optional[str]]] = None
+    """A cost hint: ``cost(ops, ctx)`` returns a reason where the fused op is known to lose to
+    the same ops unfused (the rule then declines: ``explain()`` shows "cost hint: <reason>"), else
+    None. Unlike ``check`` it is about speed, not correctness: tuning also times the plan without
+    the hints (:mod:`fusible_ops.tuning`)."""
 
     def structural_match(self, ops: Sequence, start: int) -> bool:
         n = len(self.pattern)
@@ -81,15 +91,17 @@ class FusionRule:
         return all(m.matches(ops[start + i]) for i, m in enumerate(self.pattern))
 
     def decline_reason(self, ops: list, ctx: FusionContext) -> Optional[str]:
-        """``None`` if the checker accepts; else the reason string it gave."""
-        if self.check is None:
-            return None
-        verdict = self.check(ops, ctx)
-        if verdict is None or verdict is True:
-            return None
+        """``None`` if the checker (then the cost hint) accepts; else the reason given."""
+        verdict = None if self.check is None else self.check(ops, ctx)
         if verdict is False:
             return "declined by checker"
-        return str(verdict)
+        if verdict is not None and verdict is not True:
+            return str(verdict)
+        if self.cost is not None and ctx.cost_hints:
+            why = self.cost(ops, ctx)
+            if why:
+                return f"cost hint: {why}"
+        return None
 
 
 def _as_matcher(m) -> Matcher:
@@ -114,20 +126,23 @@ class RuleSet:
         rs._rules = {k: v for k, v in _BUILTIN._rules.items()}
         return rs
 
-    def register(self, name: str, pattern=None, *, pass_: str, build: Callable = None, check=None, priority: int = 0):
+    def register(self, name: str, pattern=None, *, pass_: str, build: Callable = None, check=None, priority: int = 0,
+                 cost=None):
         """Add a rule. Usable directly, or as a class decorator (``build`` defaults to the class).
 
         ``pattern`` is a list of op classes or :func:`match` objects; ``pass_`` is ``"forward"``,
         ``"backward"`` or ``"joint"``; ``build(ops)`` gets the matched basic ops as a list and
         returns a ``FusedOperation``; ``check(ops, ctx)`` returns ``None``/``True`` to accept,
-        or a reason string (or ``False``) to decline. Re-registering a name replaces the rule.
+        or a reason string (or ``False``) to decline; ``cost(ops, ctx)`` (a cost hint, optional)
+        returns a reason where the fused op is known to be slower than the ops unfused, else None.
+        Re-registering a name replaces the rule.
         """
         def add(builder):
-            self.add(rule(name, pattern, pass_=pass_, build=builder, check=check, priority=priority))
+            self.add(rule(name, pattern, pass_=pass_, build=builder, check=check, priority=priority, cost=cost))
             return builder
 
         if build is None:
-            rule(name, pattern, pass_=pass_, build=lambda ops: None, check=check, priority=priority)  # validate now
+            rule(name, pattern, pass_=pass_, build=lambda ops: None, check=check, priority=priority, cost=cost)  # validate
             return add  # decorator form
         add(build)
         return build
@@ -173,7 +188,7 @@ def global_rules() -> RuleSet:
     return _GLOBAL
 
 
-def rule(name: str, pattern, *, pass_: str, build: Callable, check=None, priority: int = 0) -> "FusionRule":
+def rule(name: str, pattern, *, pass_: str, build: Callable, check=None, priority: int = 0, cost=None) -> "FusionRule":
     """A fusion rule as data (validated; registers nothing). See :meth:`RuleSet.register`."""
     if pass_ not in PASSES:
         raise ValueError(f"rule {name!r}: pass_ must be one of {PASSES}, got {pass_!r}")
@@ -181,7 +196,9 @@ def rule(name: str, pattern, *, pass_: str, build: Callable, check=None, priorit
         raise ValueError(f"rule {name!r}: empty pattern")
     if not callable(build):
         raise TypeError(f"rule {name!r}: build must be callable")
-    return FusionRule(name, tuple(_as_matcher(m) for m in pattern), pass_, build, check, int(priority))
+    if cost is not None and not callable(cost):
+        raise TypeError(f"rule {name!r}: cost must be callable (ops, ctx) -> reason or None")
+    return FusionRule(name, tuple(_as_matcher(m) for m in pattern), pass_, build, check, int(priority), cost)
 
 
 def install_builtin(rules) -> None:
@@ -192,9 +209,10 @@ def install_builtin(rules) -> None:
         _GLOBAL.add(r)
 
 
-def register_fusion(name: str, pattern=None, *, pass_: str, build: Callable = None, check=None, priority: int = 0):
+def register_fusion(name: str, pattern=None, *, pass_: str, build: Callable = None, check=None, priority: int = 0,
+                    cost=None):
     """Register a fusion rule in the global set (see :meth:`RuleSet.register`)."""
-    return _GLOBAL.register(name, pattern, pass_=pass_, build=build, check=check, priority=priority)
+    return _GLOBAL.register(name, pattern, pass_=pass_, build=build, check=check, priority=priority, cost=cost)
 
 
 @contextlib.contextmanager

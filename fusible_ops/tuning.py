@@ -5,8 +5,9 @@ to the same ops unfused at some shapes while keeping less activation memory. Tun
 measurement, per fuser and input geometry (the plan key: dtype, device, ``requires_grad`` flags,
 FP8 recipe, ..., and the inputs' shapes):
 
-* **candidates**: the static plan; for each rule it applies, the same plan with that rule left out;
-  and every op unfused (plans that come out the same are timed once);
+* **candidates**: the static plan; the plan with the rules' cost hints ignored (where a hint
+  declined a rule); for each rule the static plan applies, that plan with the rule left out; and
+  every op unfused (plans that come out the same are timed once);
 * **measured**: forward + backward (forward alone when nothing requires grad), after warm-up,
   on a deep copy of the fuser (its ops and parameters) and clones of the call's inputs, with the
   RNG state forked: the model's parameters, ``main_grad``, delayed weight-gradient queues, FP8
@@ -38,6 +39,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from . import fuser as _fuser
+from .rules import COST_HINTS
 
 Policy = Union[str, int]
 _SETTINGS: dict = {"prefer": "speed", "timer": None, "disk": True}
@@ -162,11 +164,13 @@ def _candidates(fuser, x, extra, params) -> list[tuple[str, frozenset]]:
     """(label, rules left out) of each distinct candidate plan, the static plan first."""
     static = fuser._make_plan(x, extra, params)
     used = sorted({g.rule for g in [*static.forward, *static.backward] if g.rule})
-    if not used:
-        return [("static plan (no rule applies)", frozenset())]
-    options = [(f"static plan ({', '.join(used)})", frozenset())]
+    hinted = sorted({d.rule for ds in static.declines.values() for d in ds if d.reason.startswith("cost hint:")})
+    options = [(f"static plan ({', '.join(used) or 'no rule applies'})", frozenset())]
+    if hinted:  # rules a cost hint declined: the plan with them too
+        options.append((f"without cost hints (+{', '.join(hinted)})", frozenset([COST_HINTS])))
     options += [(f"without {name}", frozenset([name])) for name in used] if len(used) > 1 else []
-    options.append(("unfused", frozenset(fuser._rule_set().names())))
+    if used:
+        options.append(("unfused", frozenset(fuser._rule_set().names())))
     seen, out = set(), []
     for label, off in options:
         shape = _structure(fuser._make_plan(x, extra, params, off)) if off else _structure(static)

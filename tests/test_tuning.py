@@ -215,3 +215,24 @@ def test_tuned_moe_layer_on_cuda_matches_the_static_plan():
     torch.testing.assert_close(x.grad, x2.grad)
     for p, q in zip(seq.parameters(), ref.parameters()):  # (two plans: a GEMM-like comparison)
         assert_close_norm(p.grad, q.grad)
+
+
+def test_a_cost_hint_declines_statically_and_tuning_can_take_the_rule_back():
+    """A rule's cost hint: the static plan declines where the hint says the fusion loses
+    (explain() says so); tuning times the plan without the hints too and keeps it when faster."""
+    import dataclasses
+
+    rs = fo.RuleSet.builtin()
+    name = "linear_bias"
+    base = next(r for r in rs.rules("forward") if r.name == name)
+    rs.add(dataclasses.replace(base, cost=lambda ops, ctx: "loses at this size (test)" if ops[0].in_features < 64 else None))
+    seq = fo.Sequential(fo.Linear(H, H), rules=rs)
+    x = torch.randn(8, H, requires_grad=True)
+    assert _rules(seq, x) == set()
+    assert "cost hint: loses at this size (test)" in seq.explain(x)
+    timer = FakeTimer(static=2.0, without=1.0, unfused=2.0)
+    fo.tune(seq, x, timer=timer, disk=False)
+    assert timer.calls == ["static plan (no rule applies)", "without cost hints (+linear_bias)"]
+    assert _rules(seq, x) == {name}
+    with pytest.raises(TypeError, match="cost must be callable"):
+        fo.RuleSet().register("x", [fo.Bias], pass_="forward", build=lambda ops: None, cost=3)
