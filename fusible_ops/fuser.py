@@ -328,7 +328,8 @@ class OperationFuser:
             raise TypeError(
                 f"expected {self.num_extra_inputs} extra input(s) (for {names}), got {len(extra_inputs)}"
             )
-        if _is_compiling():  # (traced: the ops' own versions, not the global epoch, which any op
+        compiling = _is_compiling()  # (read once per call: _run takes it)
+        if compiling:  # (traced: the ops' own versions, not the global epoch, which any op
             versions = tuple([op.state_version for op in self.ops])  # anywhere moves)
             if versions != self._versions:
                 self._refresh(versions)
@@ -339,20 +340,20 @@ class OperationFuser:
                 self._refresh(versions)
         if self._parametrized:  # one evaluation of each parametrization per call, with grad
             with parametrize.cached():
-                return self._run(x, extra_inputs, [getattr(m, n) for m, n in self._slots])
+                return self._run(x, extra_inputs, [getattr(m, n) for m, n in self._slots], compiling)
         try:
             params = [d[n] for d, n in self._reads]  # (a dict read per parameter: see _refresh)
         except KeyError:  # a parameter was removed from its module's dict without an assignment
             params = [getattr(m, n) for m, n in self._slots]
-        return self._run(x, extra_inputs, params)
+        return self._run(x, extra_inputs, params, compiling)
 
-    def _run(self, x: torch.Tensor, extra_inputs: tuple, params: list):
+    def _run(self, x: torch.Tensor, extra_inputs: tuple, params: list, compiling: bool):
         key = self._key(x, extra_inputs, params)
         off = frozenset()
         if self._choices or _TUNER[0] is not None:  # (tuned plans: fusible_ops.tuning)
             key, off = self._chosen(key, x, extra_inputs, params)
             self.last_off = off
-        if not _is_compiling():
+        if not compiling:
             plan = self._plans.get(key) or self._new_plan(key, x, extra_inputs, params, off)
         else:  # traced: planned afresh, the cache neither read nor written (dynamo would guard on
             plan = self._make_plan(x, extra_inputs, params, off)  # its contents: a recompile per new plan)
@@ -363,7 +364,7 @@ class OperationFuser:
                   and (current_mode() != "triton" if not x.is_cuda else
                        x.numel() <= NATIVE_MAX_NUMEL and current_mode() == "auto"))
         if ((not plan.requires_grad or native)
-                and _forward_ad._current_level < 0 and not _is_compiling() and not _transforms_active()):
+                and _forward_ad._current_level < 0 and not compiling and not _transforms_active()):
             # No gradient anywhere (no_grad / inference, or nothing requires grad): the steps run
             # as they would inside the autograd function, without the function (no node to build).
             # A plan of plain differentiable steps runs the same way with autograd recording, on
@@ -392,12 +393,12 @@ class OperationFuser:
             return (y, *[t for e in extra_outputs for t in e])
         replay = plan.replay
         if (replay is not None and type(x) is torch.Tensor and _forward_ad._current_level < 0
-                and not _is_compiling() and not _transforms_active()):
+                and not compiling and not _transforms_active()):
             y = replay.run(x, extra_inputs, params)  # (None: this call takes the Python path)
             if y is not None:
                 return y
         args = [*extra_inputs, *params] if extra_inputs else params
-        if not _is_compiling() and not _transforms_active():
+        if not compiling and not _transforms_active():
             # autograd.Function.apply's Python preamble, minus what eager calls do not need. A
             # tensor passed twice (x as residual, one split-size tensor for two ops, tied weights)
             # goes in twice: eager autograd sums the gradients of both positions.
