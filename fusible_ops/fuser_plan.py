@@ -40,7 +40,7 @@ class Plan:
     gated: Optional[tuple] = None
     gated_all: Optional[tuple] = None
     device_type: str = "cpu"  # of the calls this plan serves (part of the key)
-    # CUDA training plan whose steps are all ``replayable`` (no flagged weights, no FP8, no extra
+    # CUDA training plan whose steps are all ``replayable`` (no flagged weights, no delayed FP8, no extra
     # outputs): its calls are replayed from C++ (fusible_ops.replay.Replayer, set by replay's plan
     # extension), else None
     replay: Optional[Replayer] = None
@@ -82,7 +82,11 @@ class Plan:
                 fwd.append((op, idx, kws, False, plain_in(idx[0])))
         bwd = []
         for op, idx, gq in self.backward_steps:
-            ok = gq is None and direct(op, idx, "fuser_backward")
+            # (a basic op that writes a preceding FP8 linear's gradient overrides fuser_backward
+            # only for that: without a quantizer its op_backward is the step)
+            ok = gq is None and (direct(op, idx, "fuser_backward") or (
+                len(idx) == 1 and isinstance(op, BasicOperation) and not op.num_extra_inputs
+                and not op.num_extra_outputs and getattr(op, "writes_fp8_grad", False)))
             bwd.append((op, idx[0] if ok else idx, gq, ok, plain_in(idx[-1])))
         self.forward_program, self.backward_program = fwd, bwd
 

@@ -20,6 +20,12 @@ How a geometry gets its recipe:
    which checks the inputs' sizes, strides, dtypes, device and pointer alignment against the
    recording and declines (the call takes the Python path) on any difference.
 
+FP8: plans under :class:`~fusible_ops.Float8CurrentScaling` are replayed too (the amaxes, scales
+and casts are launches and ATen ops on the call's own tensors). The cached FP8 weights the recorded call read become inputs
+after the call's own: before each replay, :func:`~fusible_ops.quantization.cached_weight` hands
+them over (one host-side check per weight; a cast when the weight changed, e.g. after an optimizer
+step). Delayed scaling is not replayed (each call updates its amax history), nor is block scaling.
+
 What must hold for an op to set ``replayable``: see :attr:`FusibleOperation.replayable` (in
 short, only what the recorder accepts, every argument a function of the inputs' geometry and the
 op's attributes, and gradients returned to autograd as they are: no plan of an op flagged for
@@ -38,21 +44,25 @@ Python path.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import struct
 import threading
 import warnings
 import weakref
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from . import fuser as _fuser
 from .fuser_extensions import PlanExtension, register_plan_extension
 from .grad import WeightGradMixin, scheduler_active, watch_plain_weights
 from .kernels import current_mode
 from .kernels import launch as _launch
+from .quantization.casting import replay_weight_tensors, replay_weights
+from .quantization.recipes import Float8CurrentScaling
+from .replay_steps import (_BwdSlots, _geometry, _lifetimes, _ref, _Refuse, _renumber, _Slots,
+                           _steps, _used)
 
 ENABLED = os.environ.get("FUSIBLE_OPS_REPLAY", "1") != "0"
 """Replay eligible fused CUDA training calls from C++ (see the module docstring)."""
@@ -141,248 +151,21 @@ class _Recorder(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-class _Refuse(Exception):
-    """The recorded call cannot be replayed (the message says why); ``transient``: the next call
-    of its geometry may be (this one compiled or autotuned a kernel)."""
-
-    def __init__(self, why: str, transient: bool = False) -> None:
-        super().__init__(why)
-        self.transient = transient
-
-
 RETRY = object()
 """What :func:`record` returns when the next call of the geometry should be recorded again."""
 
-_SCALARS = {"i1": "<b", "i8": "<b", "i16": "<h", "i32": "<i", "i64": "<q", "u1": "<B", "u8": "<B", "u16": "<H",
-            "u32": "<I", "u64": "<Q", "fp32": "<f", "fp64": "<d"}
-_SIZES = {"<b": 1, "<B": 1, "<h": 2, "<H": 2, "<i": 4, "<I": 4, "<f": 4, "<q": 8, "<Q": 8, "<d": 8}
-
-
-def _index(key, names) -> int:
-    if isinstance(key, str):
-        return names.index(key)
-    return key[0] if isinstance(key, tuple) else key
-
-
-def _kernel_params(ck) -> list:
-    """``[(argument index or None, type)]``: the compiled kernel's parameters as its launcher passes
-    them (the runtime arguments that are not constexpr, then Triton's scratch pointers: type
-    ``*gscratch`` for global scratch the kernel uses, ``*scratch`` for an unused one)."""
-    src, md = ck.src, ck.metadata
-    names = list(src.fn.arg_names)
-    sig = {_index(k, names): v for k, v in src.signature.items()}
-    consts = {_index(k, names) for k in getattr(src, "constants", {})}
-    params = [(i, sig[i]) for i in sorted(sig) if sig[i] != "constexpr" and i not in consts]
-    if hasattr(md, "global_scratch_size"):
-        if md.global_scratch_size and getattr(md, "global_scratch_align", 1) > 256:
-            raise _Refuse(f"{src.fn.__name__}: global scratch aligned to {md.global_scratch_align} bytes")
-        params.append((None, "*gscratch" if md.global_scratch_size else "*scratch"))
-    if hasattr(md, "profile_scratch_size"):
-        if md.profile_scratch_size:
-            raise _Refuse(f"{src.fn.__name__} needs profile scratch")
-        params.append((None, "*scratch"))
-    if getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl", False):
-        raise _Refuse(f"{src.fn.__name__}: cluster, cooperative or PDL launch")
-    return params
-
-
-class _Slots:
-    """The tensors of one direction, as the replay numbers them: the given ones (inputs; in
-    backward the gradient, then forward tensors it reads), then allocations, then op outputs."""
-
-    def __init__(self, given: Sequence[torch.Tensor], allocs: Sequence[torch.Tensor]) -> None:
-        self.tensors = [*given, *allocs]
-        self.kind = ["given"] * len(given) + ["alloc"] * len(allocs)
-
-    def add(self, t: torch.Tensor, kind: str) -> int:
-        self.tensors.append(t)
-        self.kind.append(kind)
-        return len(self.tensors) - 1
-
-    def find(self, ptr: int) -> tuple[int, int]:
-        """(slot, byte offset) of a pointer into one of the tensors (inside its own extent)."""
-        for i, t in enumerate(self.tensors):
-            off = ptr - t.data_ptr()
-            if 0 <= off < max(_extent(t), 1):
-                return i, off
-        raise _Refuse(f"the call reads memory that is neither an input nor made by the call ({ptr:#x})")
-
-    def numbering(self, used: set) -> dict:
-        """Slot -> replay slot: given ones in order, then the used allocations, then op outputs
-        (the replay makes every op output, used or not)."""
-        m, n = {}, 0
-        for kind in ("given", "alloc", "op"):
-            for i, k in enumerate(self.kind):
-                if k == kind and (kind != "alloc" or i in used):
-                    m[i] = n
-                    n += 1
-        return m
-
-
-def _extent(t: torch.Tensor) -> int:
-    """Bytes from ``t``'s first element to one past its last."""
-    if t.numel() == 0:
-        return 0
-    return (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
-
-
-def _ref(t: torch.Tensor, slots: _Slots) -> list:
-    """``[slot, view, sizes, strides, element offset]`` of a tensor a step reads or the call hands
-    out: the slot itself or a view of it (in the slot's dtype)."""
-    if t.numel():
-        slot, off = slots.find(t.data_ptr())
-    else:
-        slot = next((i for i, s in enumerate(slots.tensors) if s is t), None)
-        if slot is None:
-            raise _Refuse("an empty tensor that the call did not make")
-        off = 0
-    base = slots.tensors[slot]
-    if t.dtype != base.dtype:
-        raise _Refuse("a view that reinterprets a tensor's dtype")
-    same = off == 0 and t.shape == base.shape and t.stride() == base.stride()
-    return [slot, not same, list(t.shape), list(t.stride()), off // t.element_size()]
-
-
-def _launch_step(entry, grid, raw, slots: _Slots, param_info) -> tuple:
-    """A recorded launch in the C++ form: (fn, grid, threads, shared, values, pointers)."""
-    ck = entry[4]
-    values, ptrs, sizes = [], [], []
-    g = tuple(grid) + (1,) * (3 - len(grid))
-    scratch = None
-    for k, (i, ty) in enumerate(_kernel_params(ck)):
-        v = None if i is None else raw[i]
-        if ty == "*gscratch":  # (a fresh buffer per launch, sized as Triton sizes it)
-            scratch = [k, g[0] * g[1] * g[2] * ck.metadata.num_ctas * ck.metadata.global_scratch_size]
-            values.append(0)
-            sizes.append(8)
-        elif ty.startswith("*"):
-            if v is not None and not isinstance(v, int):
-                raise _Refuse(f"pointer argument {i} is a {type(v).__name__}")
-            if v:  # (a None or 0 pointer stays 0)
-                ptrs.append([k, *slots.find(v)])
-            values.append(0)
-            sizes.append(8)
-        else:
-            fmt = _SCALARS.get(ty)
-            if fmt is None or not isinstance(v, (int, float, bool)):
-                raise _Refuse(f"argument {i} of type {ty}")
-            values.append(int.from_bytes(struct.pack(fmt, v).ljust(8, b"\0"), "little"))
-            sizes.append(_SIZES[fmt])
-    info = param_info(int(ck.function))
-    if info is None or [s for _, s in info] != sizes:
-        raise _Refuse(f"{ck.src.fn.__name__}: the driver reports parameters {info}, the recording {sizes}")
-    step = (int(ck.function), g, 32 * ck.metadata.num_warps, int(ck.metadata.shared), values, ptrs)
-    return step if scratch is None else step + (scratch,)
-
-
-def _op_step(func, args, kwargs, out, slots: _Slots) -> tuple:
-    """A recorded ATen op in the C++ form: ("op", name, overload, values, tensors, new outputs);
-    its new outputs become slots."""
-    schema = func._schema
-    values, tensors = [], []
-    for i, a in enumerate(schema.arguments):
-        if not a.kwarg_only and i < len(args):
-            v = args[i]
-        elif a.name in kwargs:
-            v = kwargs[a.name]
-        elif a.has_default_value():
-            v = a.default_value
-        else:
-            raise _Refuse(f"{func}: no value for {a.name}")
-        if isinstance(v, torch.Tensor):
-            if not v.is_cuda:
-                raise _Refuse(f"{func} reads a tensor on {v.device}")
-            tensors.append([i, _ref(v, slots)])
-            v = None
-        elif isinstance(v, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in v):
-            raise _Refuse(f"{func} takes a list of tensors")
-        values.append(v)
-    outs = out if isinstance(out, (list, tuple)) else (out,)
-    given = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-    new = []
-    for o in outs:
-        if not o.is_cuda:
-            raise _Refuse(f"{func} returns a tensor on {o.device}")
-        new.append(not any(o is g for g in given))  # (an in-place op returns its argument)
-        if new[-1]:
-            slots.add(o, "op")
-    return ("op", schema.name, schema.overload_name, values, tensors, new)
-
-
-def _steps(recorded, slots: _Slots, param_info) -> list:
-    out = []
-    for step in recorded:
-        if step[0] == "launch":
-            out.append(_launch_step(*step[1:], slots, param_info))
-        else:
-            out.append(_op_step(*step[1:], slots))
-    return out
-
-
-def _renumber(steps, m: dict) -> list:
-    """``steps`` with every slot read through ``m``."""
-    out = []
-    for s in steps:
-        if s[0] == "op":
-            out.append(s[:4] + ([[i, [m[r[0]], *r[1:]]] for i, r in s[4]],) + s[5:])
-        else:
-            out.append(s[:5] + ([[k, m[slot], off] for k, slot, off in s[5]],) + s[6:])
-    return out
-
-
-def _used(steps) -> set:
-    got = set()
-    for s in steps:
-        if s[0] == "op":
-            got.update(r[0] for _, r in s[4])
-        else:
-            got.update(q[1] for q in s[5])
-    return got
-
-
-class _BwdSlots(_Slots):
-    """Backward's tensors: a pointer into none of its own is a forward tensor the backward reads
-    (appended to ``saved`` as its forward slot, numbered here on first use). A module-level class:
-    one defined inside the recording would be a reference cycle holding the recorded call's inputs,
-    and through them their autograd history (AccumulateGrad nodes made on the recording's stream),
-    until Python's cyclic GC ran: a later CUDA-graph capture of the model then failed."""
-
-    def __init__(self, given, allocs, fwd: _Slots, saved: list) -> None:
-        super().__init__(given, allocs)
-        self.fwd, self.saved = fwd, saved
-
-    def find(self, ptr: int) -> tuple[int, int]:
-        try:
-            return _Slots.find(self, ptr)
-        except _Refuse:
-            s, off = self.fwd.find(ptr)
-            self.saved.append(s)
-            return self.add(self.fwd.tensors[s], "given"), off
-
-
-def _geometry(t: torch.Tensor, align: int) -> tuple:
-    return (list(t.shape), list(t.stride()), _DT[t.dtype], align)
-
-
-class _Dtypes(dict):
-    def __missing__(self, dtype):  # (the C++ side reads a dtype off an empty example tensor)
-        self[dtype] = torch.empty(0, dtype=dtype)
-        return self[dtype]
-
-
-_DT = _Dtypes()
-
-
-def record(fuser, plan, inputs: list, n_extra: int):
+def record(fuser, plan, inputs: list, n_extra: int, weights: Optional[list] = None):
     """Record one call of ``plan`` on ``inputs`` (x, the extra inputs, the parameters) and build
     its recipe; None when it cannot be replayed, :data:`RETRY` when a later call may be (the reason
-    in ``record.last_failure``)."""
+    in ``record.last_failure``). ``weights`` (a list) gets ``(owner, weight, recipe, transposed,
+    grouped)`` of each cached FP8 weight the call read (inputs of the recipe after ``inputs``)."""
     ext = extension()
     if ext is None:
         record.last_failure = "the C++ extension could not be built"
         return None
     try:
-        return _build(ext, fuser, plan, inputs, n_extra, _fuser._RAW_APPLY, _fuser._FuserFunction)
+        return _build(ext, fuser, plan, inputs, n_extra, _fuser._RAW_APPLY, _fuser._FuserFunction,
+                      [] if weights is None else weights)
     except _Refuse as e:
         record.last_failure = str(e)
         return RETRY if e.transient else None
@@ -414,8 +197,22 @@ def explain(module) -> list[str]:
     return lines
 
 
-def _build(ext, fuser, plan, inputs, n_extra, raw_apply, fn):
-    aliases, distinct = [], []  # (one tensor passed twice, e.g. split sizes for two grouped linears)
+@contextlib.contextmanager
+def _unrecorded():
+    """Hides what runs inside from the recorder (an FP8 weight cast made while recording: the
+    cached weight is an input of the recorded call, not part of it)."""
+    rec, _launch.RECORDER[0] = _launch.RECORDER[0], None
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        _launch.RECORDER[0] = rec
+
+
+def _check_distinct(inputs) -> list:
+    """``(j, i)`` for each input j that is input i (one tensor passed twice, e.g. split sizes for two
+    grouped linears); refuses inputs that otherwise share memory."""
+    aliases, distinct = [], []
     for j, t in enumerate(inputs):
         i = next((i for i in distinct if inputs[i] is t), None)
         if i is None:
@@ -425,9 +222,15 @@ def _build(ext, fuser, plan, inputs, n_extra, raw_apply, fn):
     spans = sorted((inputs[i].untyped_storage().data_ptr(), inputs[i].untyped_storage().nbytes()) for i in distinct)
     if any(a[0] + a[1] > b[0] for a, b in zip(spans, spans[1:])):
         raise _Refuse("inputs share memory")
+    return aliases
+
+
+def _build(ext, fuser, plan, inputs, n_extra, raw_apply, fn, weights: list):
+    _check_distinct(inputs)
     leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
-    with _Recorder() as rec:
+    with _Recorder() as rec, replay_weights(_unrecorded) as seen:
         y = raw_apply(leaves[0], fuser, plan, n_extra, *leaves[1:])[0]
+    weights.extend(seen)
     if rec.failure:
         raise _Refuse(rec.failure, rec.transient)
     if y.grad_fn is None:
@@ -440,6 +243,11 @@ def _build(ext, fuser, plan, inputs, n_extra, raw_apply, fn):
     input_grads = [grads[0], *grads[4:]]
     if len(input_grads) != len(inputs):
         raise _Refuse("the backward's gradients do not match the inputs")
+    # FP8: the cached weights the call read are inputs too (each replay passes them in, cast anew
+    # when their parameter changed), after the call's own inputs
+    extra = replay_weight_tensors(weights)
+    inputs, input_grads = [*inputs, *extra], [*input_grads, *[None] * len(extra)]
+    aliases = _check_distinct(inputs)
     fwd = _Slots(inputs, rec.allocs)
     fwd_steps = _steps(rec.steps, fwd, ext.param_info)
     out = _ref(y, fwd)
@@ -463,17 +271,24 @@ def _build(ext, fuser, plan, inputs, n_extra, raw_apply, fn):
     b_allocs = [_geometry(t, 0) for i, t in enumerate(bwd.tensors) if bwd.kind[i] == "alloc" and i in b_map]
     record.last_summary = (f"forward: {len(f_allocs)} allocations, {_names(rec.steps)}; "
                            f"backward: {len(b_allocs)} allocations, {_names(rec2.steps)}")
+    fwd_steps, bwd_steps = _renumber(fwd_steps, f_map), _renumber(bwd_steps, b_map)
+    out_slot, saved_slots = f_map[out[0]], [f_map[s] for s in saved]
+    grad_slots = [(-1, False, [], [], 0) if g is None else [b_map[g[0]], *g[1:]] for g in grad_refs]
     return ext.make_recipe(
-        y.device.index, in_geo, f_allocs, _renumber(fwd_steps, f_map), [[f_map[out[0]], *out[1:]]],
-        [f_map[s] for s in saved], [_geometry(dy, 0)], b_allocs, _renumber(bwd_steps, b_map),
-        [(-1, False, [], [], 0) if g is None else [b_map[g[0]], *g[1:]] for g in grad_refs], aliases)
+        y.device.index, in_geo, f_allocs, fwd_steps,
+        _lifetimes(fwd_steps, len(inputs), len(f_allocs), {out_slot, *saved_slots}),
+        [[out_slot, *out[1:]]], saved_slots, [_geometry(dy, 0)], b_allocs, bwd_steps,
+        _lifetimes(bwd_steps, 1 + len(saved), len(b_allocs), {g[0] for g in grad_slots}),
+        grad_slots, aliases)
 
 
 def replayer_for(fuser, plan, device_type: str, n_extra: int, recipe) -> Optional["Replayer"]:
     """The :class:`Replayer` of a new plan, or None when its calls are never replayed: not a CUDA
-    training plan, an FP8 ``recipe``, MoE routing, flagged contract weights, parametrized weights,
-    extra outputs, or a step that is not ``replayable``."""
-    if not (ENABLED and plan.requires_grad and device_type == "cuda" and fuser._routing is None and recipe is None
+    training plan, delayed or block FP8 scaling (delayed: an amax history each call updates), MoE routing,
+    flagged contract weights, parametrized weights, extra outputs, or a step that is not
+    ``replayable``."""
+    if not (ENABLED and plan.requires_grad and device_type == "cuda" and fuser._routing is None
+            and (recipe is None or type(recipe) in _REPLAYED_RECIPES)
             and not fuser._wgrad_flagged and not fuser._parametrized and fuser.num_extra_outputs == 0
             and all(g.op.replayable for g in plan.forward + plan.backward)):
         return None
@@ -492,6 +307,9 @@ def _attach(fuser, plan, layout, n_extra: int, recipe) -> None:
         fuser, plan, plan.device_type, n_extra, recipe)
 
 
+# (no state but the weight cache; block scaling: its recordings did not reproduce the Python path
+# on an H200, see tests/test_replay_fp8.py, so it keeps the Python path)
+_REPLAYED_RECIPES = (Float8CurrentScaling,)
 _autocast = torch.is_autocast_enabled
 _MAX_TRIES = 3  # recordings per geometry that compile or autotune before it stays Python-only
 
@@ -508,6 +326,9 @@ class Replayer:
         self.run_recipe = None
         self.replayed = 0  # calls served (tests read it)
         self.notes: dict = {}  # geometry -> what explain() reports
+        # FP8: the cached weights the recorded calls read, passed in after the call's own inputs
+        # (owner and parameter held weakly; None until a recording)
+        self.weights: Optional[list] = None
 
     def __getstate__(self) -> dict:
         # A copy (copy.deepcopy, pickling) records its own recipes: a recipe is a C++ object
@@ -534,14 +355,25 @@ class Replayer:
         r = self.recipes.get(mode)  # (the recipe of the last call in this mode)
         inputs = [x, *extra, *params] if extra else [x, *params]
         if r is not None:
+            full = self._with_weights(inputs) if self.weights else inputs
+            if full is None:
+                return None
             try:
-                outs = self.run_recipe(r, inputs)
+                outs = self.run_recipe(r, full)
             except TypeError:  # (a non-tensor input: the Python path raises the op's own error)
                 return None
             if outs:
                 self.replayed += 1
                 return outs[0]
         return self._new_geometry(mode, inputs, r)
+
+    def _with_weights(self, inputs: list) -> Optional[list]:
+        """``inputs`` and the cached FP8 weights' tensors (cast first where a weight changed);
+        None when a weight's module or parameter is gone."""
+        weights = [(o(), w(), *rest) for o, w, *rest in self.weights]
+        if any(e[0] is None or e[1] is None for e in weights):
+            return None
+        return inputs + replay_weight_tensors(weights)
 
     def _new_geometry(self, mode: str, inputs: list, tried) -> Optional[torch.Tensor]:
         if not _launch.DIRECT or any(not isinstance(t, torch.Tensor) or not t.is_cuda for t in inputs):
@@ -554,7 +386,11 @@ class Replayer:
                 return None
             if torch.cuda.is_current_stream_capturing():
                 return None  # (a recording's own launches would join the graph)
-            r = record(self.fuser, self.plan, inputs, self.n_extra)
+            weights: list = []
+            r = record(self.fuser, self.plan, inputs, self.n_extra, weights)
+            if r is not None and r is not RETRY and not self._same_weights(weights):
+                record.last_failure = "its FP8 weights differ from an earlier recording's"
+                r = None
             shapes = [tuple(t.shape) for t in inputs]
             if len(self.notes) >= 256:  # (bounded under dynamic shapes)
                 self.notes.clear()
@@ -571,12 +407,21 @@ class Replayer:
                 self.run_recipe = extension().run
         if r is False or r is tried:  # (``tried`` declined this call already)
             return None
-        outs = self.run_recipe(r, inputs)
+        full = self._with_weights(inputs) if self.weights else inputs
+        outs = None if full is None else self.run_recipe(r, full)
         if not outs:
             return None
         self.recipes[mode] = r
         self.replayed += 1
         return outs[0]
+
+    def _same_weights(self, entries: list) -> bool:
+        """Keeps the first recording's FP8 weights (weakly); whether ``entries`` are the same."""
+        if self.weights is None:
+            self.weights = [(weakref.ref(o), weakref.ref(w), *rest) for o, w, *rest in entries]
+        return len(entries) == len(self.weights) and all(
+            o is e[0] and w is e[1] and rest == list(e[2:]) for (o, w, *rest), e in
+            zip([(a(), b(), *r) for a, b, *r in self.weights], entries))
 
 
 register_plan_extension(PlanExtension("replay", _attach))

@@ -12,6 +12,7 @@ import torch
 
 import fusible_ops as fo
 from fusible_ops import replay as R
+from fusible_ops import replay_steps as RS
 
 DEV = "cuda"
 gpu = pytest.mark.gpu
@@ -386,9 +387,9 @@ def test_backward_slots_find_forward_tensors_as_saved():
     """A backward pointer into a forward tensor becomes a saved slot (once per use, numbered
     after the backward's own tensors)."""
     a, b, dy = torch.empty(8), torch.empty(4), torch.empty(8)
-    fwd = R._Slots([a], [b])
+    fwd = RS._Slots([a], [b])
     saved = []
-    bwd = R._BwdSlots([dy], [], fwd, saved)
+    bwd = RS._BwdSlots([dy], [], fwd, saved)
     assert bwd.find(dy.data_ptr() + 4) == (0, 4)
     assert bwd.find(b.data_ptr() + 8) == (1, 8) and saved == [1]
     other = torch.empty(2)
@@ -409,21 +410,21 @@ def test_kernel_params_follow_triton_launcher():
                                                   "eps": "fp32", "BLOCK": "constexpr"},
                                 constants={(3,): 1, (5,): 128})
     md = types.SimpleNamespace(global_scratch_size=0, profile_scratch_size=0, num_ctas=1, num_warps=4, shared=0)
-    params = R._kernel_params(types.SimpleNamespace(src=src, metadata=md))
+    params = RS._kernel_params(types.SimpleNamespace(src=src, metadata=md))
     assert params == [(0, "*bf16"), (1, "*fp32"), (2, "i32"), (4, "fp32"), (None, "*scratch"), (None, "*scratch")]
     md.global_scratch_size = 64  # (used: the replay gives each launch a fresh buffer)
-    assert R._kernel_params(types.SimpleNamespace(src=src, metadata=md))[4] == (None, "*gscratch")
+    assert RS._kernel_params(types.SimpleNamespace(src=src, metadata=md))[4] == (None, "*gscratch")
     md.profile_scratch_size = 64
     with pytest.raises(R._Refuse, match="profile scratch"):
-        R._kernel_params(types.SimpleNamespace(src=src, metadata=md))
+        RS._kernel_params(types.SimpleNamespace(src=src, metadata=md))
     md.global_scratch_size, md.profile_scratch_size, md.num_ctas = 0, 0, 2
     with pytest.raises(R._Refuse, match="cluster"):
-        R._kernel_params(types.SimpleNamespace(src=src, metadata=md))
+        RS._kernel_params(types.SimpleNamespace(src=src, metadata=md))
 
 
 def test_slots_find_pointers_inside_extents_only():
     a, b = torch.empty(10, 4), torch.empty(3)
-    slots = R._Slots([a], [b])
+    slots = RS._Slots([a], [b])
     assert slots.find(a.data_ptr()) == (0, 0)
     assert slots.find(a[2:].data_ptr()) == (0, 32)
     assert slots.find(b.data_ptr() + 8) == (1, 8)
@@ -471,3 +472,16 @@ def test_explain_lists_each_geometry_note():
     ck = types.SimpleNamespace(src=types.SimpleNamespace(fn=types.SimpleNamespace(__name__="_norm_fwd_kernel")))
     steps = [("launch", (None, None, None, None, ck), (1,), []), ("op", torch.ops.aten.sum.dim_IntList, (), {}, None)]
     assert R._names(steps) == "[_norm_fwd_kernel, aten.sum.dim_IntList]"
+
+
+def test_lifetimes_make_at_first_use_and_release_after_last():
+    """A replayed call holds each temporary only while the Python path would: an allocation is made
+    before its first step, a slot not handed out is released after its last, kept slots stay."""
+    # slots: 2 given, allocations 2, 3, 4; the op's output becomes slot 5
+    steps = [(1, (1, 1, 1), 32, 0, [0, 0], [[0, 0, 0], [1, 2, 0]]),
+             ("op", "add", "Tensor", [None, None, 1], [[0, [2, False, [], [], 0]], [1, [0, False, [], [], 0]]], [True]),
+             (2, (1, 1, 1), 32, 0, [0, 0], [[0, 3, 0], [1, 5, 0]])]
+    make, release, late = RS._lifetimes(steps, 2, 3, keep={3})
+    assert make == [[2], [], [3]]
+    assert release == [[], [2], [5]]  # (given slots 0, 1 and the kept slot 3 are never released)
+    assert late == [4]

@@ -120,9 +120,14 @@ struct Step {
 };
 
 // One direction's work: slots [given..., allocations..., op outputs...], then the steps in order.
+// An allocation is made just before the first step that uses it, and a slot that is neither handed
+// out nor saved is released after the last step that uses it (stream-ordered, as the Python path
+// frees its temporaries), so a replayed call's peak memory is the Python path's.
 struct Program {
   std::vector<Geometry> allocs;
   std::vector<Step> steps;
+  std::vector<std::vector<int64_t>> make, release;  // per step: slots made before it / released after it
+  std::vector<int64_t> late;                         // allocations no step uses (made after the steps)
 };
 
 struct Recipe {
@@ -155,13 +160,21 @@ void run_op(const OpCall& op, std::vector<at::Tensor>& slots) {
 }
 
 void run_program(const Program& p, std::vector<at::Tensor>& slots, const at::TensorOptions& opts, void* stream) {
-  for (const auto& g : p.allocs) slots.push_back(at::empty_strided(g.sizes, g.strides, opts.dtype(g.dtype)));
+  const int64_t base = static_cast<int64_t>(slots.size());
+  auto make = [&](int64_t slot) {
+    const Geometry& g = p.allocs[slot - base];
+    slots[slot] = at::empty_strided(g.sizes, g.strides, opts.dtype(g.dtype));
+  };
+  slots.resize(base + p.allocs.size());
   LaunchFn launch = cu_launch();
   uint64_t values[64];
   void* params[64];
-  for (const auto& s : p.steps) {
+  for (size_t k = 0; k < p.steps.size(); ++k) {
+    const Step& s = p.steps[k];
+    for (int64_t a : p.make[k]) make(a);
     if (s.is_op) {
       run_op(s.op, slots);
+      for (int64_t f : p.release[k]) slots[f] = at::Tensor();
       continue;
     }
     const Launch& l = s.launch;
@@ -176,7 +189,9 @@ void run_program(const Program& p, std::vector<at::Tensor>& slots, const at::Ten
     }
     for (size_t i = 0; i < n; ++i) params[i] = &values[i];
     check_launch(launch(l.fn, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.shared, stream, params, nullptr));
+    for (int64_t f : p.release[k]) slots[f] = at::Tensor();
   }
+  for (int64_t a : p.late) make(a);
 }
 
 void* current_stream(int64_t device) {
@@ -329,9 +344,20 @@ OpCall op_call(const py::sequence& t) {  // ("op", name, overload, values, tenso
   return op;
 }
 
-Program program(const py::list& allocs, const py::list& steps) {
+std::vector<std::vector<int64_t>> int_lists(const py::handle& h) {
+  std::vector<std::vector<int64_t>> out;
+  for (auto e : h.cast<py::list>()) out.push_back(ints(e));
+  return out;
+}
+
+Program program(const py::list& allocs, const py::list& steps, const py::tuple& life) {
   Program p;
   p.allocs = geometries(allocs);
+  TORCH_CHECK(life.size() == 3, "lifetimes: (make, release, late)");
+  p.make = int_lists(life[0]);
+  p.release = int_lists(life[1]);
+  p.late = ints(life[2]);
+  TORCH_CHECK(p.make.size() == steps.size() && p.release.size() == steps.size(), "one lifetime entry per step");
   for (auto h : steps) {  // ("op", ...) or (fn, (gx, gy, gz), threads, shared, values, ptrs)
     auto t = h.cast<py::sequence>();
     Step s{false, {}, {}};
@@ -373,19 +399,26 @@ std::vector<Result> results(const py::list& l) {
   return out;
 }
 
-// Every slot a step reads exists when it runs (op outputs become slots as the ops run).
+// Every slot a step reads exists when it runs (op outputs become slots as the ops run); the
+// lifetimes make allocations only and release only slots past the given ones.
 int64_t check_slots(const Program& p, size_t given, const char* what) {
-  int64_t n = static_cast<int64_t>(given + p.allocs.size());
-  for (const auto& s : p.steps) {
+  const int64_t g = static_cast<int64_t>(given), a = g + static_cast<int64_t>(p.allocs.size());
+  int64_t n = a;
+  for (size_t k = 0; k < p.steps.size(); ++k) {
+    const Step& s = p.steps[k];
+    for (int64_t m : p.make[k]) TORCH_CHECK(m >= g && m < a, "fusible_ops replay: ", what, " made slot out of range");
     if (!s.is_op) {
       for (const auto& q : s.launch.ptrs)
         TORCH_CHECK(q[1] >= 0 && q[1] < n, "fusible_ops replay: ", what, " slot out of range");
-      continue;
+    } else {
+      for (const auto& e : s.op.tensors)
+        TORCH_CHECK(e.second.slot >= 0 && e.second.slot < n, "fusible_ops replay: ", what, " op slot out of range");
+      for (bool b : s.op.new_outputs) n += b;
     }
-    for (const auto& e : s.op.tensors)
-      TORCH_CHECK(e.second.slot >= 0 && e.second.slot < n, "fusible_ops replay: ", what, " op slot out of range");
-    for (bool b : s.op.new_outputs) n += b;
+    for (int64_t f : p.release[k])
+      TORCH_CHECK(f >= g && f < n, "fusible_ops replay: ", what, " released slot out of range");
   }
+  for (int64_t m : p.late) TORCH_CHECK(m >= g && m < a, "fusible_ops replay: ", what, " late slot out of range");
   return n;
 }
 
@@ -394,9 +427,10 @@ void check_results(const std::vector<Result>& res, int64_t n, const char* what) 
 }
 
 std::shared_ptr<const Recipe> make_recipe(int64_t device, const py::list& inputs, const py::list& fwd_allocs,
-                                          const py::list& fwd_launches, const py::list& outputs,
-                                          const std::vector<int64_t>& saved, const py::list& grads,
-                                          const py::list& bwd_allocs, const py::list& bwd_launches,
+                                          const py::list& fwd_launches, const py::tuple& fwd_life,
+                                          const py::list& outputs, const std::vector<int64_t>& saved,
+                                          const py::list& grads, const py::list& bwd_allocs,
+                                          const py::list& bwd_launches, const py::tuple& bwd_life,
                                           const py::list& input_grads, const py::list& aliases) {
   auto r = std::make_shared<Recipe>();
   r->device = device;
@@ -406,11 +440,11 @@ std::shared_ptr<const Recipe> make_recipe(int64_t device, const py::list& inputs
     r->aliases.emplace_back(v[0], v[1]);
   }
   r->inputs = geometries(inputs);
-  r->fwd = program(fwd_allocs, fwd_launches);
+  r->fwd = program(fwd_allocs, fwd_launches, fwd_life);
   r->outputs = results(outputs);
   r->saved = saved;
   r->grads = geometries(grads);
-  r->bwd = program(bwd_allocs, bwd_launches);
+  r->bwd = program(bwd_allocs, bwd_launches, bwd_life);
   r->input_grads = results(input_grads);
   TORCH_CHECK(!r->outputs.empty() && r->outputs.size() == r->grads.size(), "one recorded gradient per output");
   TORCH_CHECK(r->input_grads.size() == r->inputs.size(), "one gradient entry per input");
@@ -440,10 +474,12 @@ py::object param_info(uint64_t fn) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Recipe, std::shared_ptr<Recipe>>(m, "Recipe");
   m.def("make_recipe", [](int64_t device, py::list inputs, py::list fwd_allocs, py::list fwd_launches,
-                          py::list outputs, std::vector<int64_t> saved, py::list grads, py::list bwd_allocs,
-                          py::list bwd_launches, py::list input_grads, py::list aliases) {
-    return std::const_pointer_cast<Recipe>(make_recipe(device, inputs, fwd_allocs, fwd_launches, outputs, saved, grads,
-                                                       bwd_allocs, bwd_launches, input_grads, aliases));
+                          py::tuple fwd_life, py::list outputs, std::vector<int64_t> saved, py::list grads,
+                          py::list bwd_allocs, py::list bwd_launches, py::tuple bwd_life, py::list input_grads,
+                          py::list aliases) {
+    return std::const_pointer_cast<Recipe>(make_recipe(device, inputs, fwd_allocs, fwd_launches, fwd_life, outputs,
+                                                       saved, grads, bwd_allocs, bwd_launches, bwd_life, input_grads,
+                                                       aliases));
   });
   m.def("run", [](const std::shared_ptr<Recipe>& r, const std::vector<at::Tensor>& inputs) { return run(r, inputs); });
   m.def("param_info", &param_info);

@@ -42,7 +42,7 @@ class FusedGroupedMLP(FusedOperation):
     """Forward and backward of ``GroupedLinear -> GLU -> GroupedLinear`` (in FP8 under a
     per-tensor autocast recipe: :mod:`fusible_ops.fusion_rules.fp8_grouped_mlp`)."""
 
-    replayable = True  # (see FusibleOperation.replayable; FP8 plans are never replayed)
+    replayable = True  # (see FusibleOperation.replayable)
 
     def fuser_forward(self, ctxs, x, *, extra_inputs, gather=None, **kwargs):
         """``gather`` (from :class:`~fusible_ops.fusion_rules.moe_mlp.DispatchGroupedMLP`): [M]

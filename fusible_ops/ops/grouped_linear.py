@@ -89,7 +89,7 @@ class GroupedLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
 
     num_extra_inputs = 1
     extra_input_names = ("split_sizes",)  # (Sequential accepts it by this name: seq(x, split_sizes=...))
-    # (see FusibleOperation.replayable: FP8 plans and flagged weights are never replayed; a replay
+    # (see FusibleOperation.replayable: delayed FP8 scaling and flagged weights are never replayed; a replay
     # returns the weight gradient to autograd, where delayed_wgrad()'s hooks deliver it)
     replayable = True
 

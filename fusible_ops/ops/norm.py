@@ -47,7 +47,7 @@ class _Norm(BasicOperation):
 
     writes_fp8_output = True  # serves a following FP8 linear from its own kernel (see norm_forward)
     cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
-    replayable = True  # (see FusibleOperation.replayable; FP8 plans are never replayed)
+    replayable = True  # (see FusibleOperation.replayable)
     _IS_RMS = False
 
     def norm_forward(self, ctx, x: torch.Tensor, residual=None, quant=None):

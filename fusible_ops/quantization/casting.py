@@ -248,6 +248,15 @@ def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transpos
     the cached FP8 weight's buffers (made during its warm-up) and the graphed module re-casts into
     them before a replay only when the weight's version changed (:func:`refresh_graph_weights`);
     under any other capture the cast is captured and runs on every replay."""
+    if _REPLAY is not None:  # a C++ replay records this call: the cached weight is one of its inputs
+        entries, outside = _REPLAY
+        entries.append((owner, weight, recipe, transposed, grouped))
+        with outside():  # (a cast made now is not part of the recorded call)
+            return _cached_weight(owner, weight, recipe, transposed, grouped)
+    return _cached_weight(owner, weight, recipe, transposed, grouped)
+
+
+def _cached_weight(owner, weight, recipe, transposed: bool, grouped: bool) -> Float8Tensor:
     key = (id(weight), weight.data_ptr(), weight._version, recipe, transposed, grouped)
     hit = owner.__dict__.get("_fp8_weight_cache")
     if weight.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -264,6 +273,39 @@ def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transpos
 
 
 _GRAPH_WEIGHTS: Optional[list] = None  # set while make_graphed_callables captures
+_REPLAY: Optional[tuple] = None  # (entries, outside) while a C++ replay records a call
+
+
+@contextlib.contextmanager
+def replay_weights(outside):
+    """While a C++ replay (:mod:`fusible_ops.replay`) records a call: yields a list that gets the
+    arguments ``(owner, weight, recipe, transposed, grouped)`` of every :func:`cached_weight` call,
+    whose cast (when the weight changed) runs under ``outside()``, a context that hides it from the
+    recorder. The recording then reads the cached FP8 weight as an input, and each replay passes
+    it in from :func:`replay_weight_tensors`."""
+    global _REPLAY
+    entries: list = []
+    outer, _REPLAY = _REPLAY, (entries, outside)
+    try:
+        yield entries
+    finally:
+        _REPLAY = outer
+
+
+def replay_weight_tensors(entries) -> list:
+    """The tensors of each entry's cached FP8 weight (from :func:`replay_weights`), in a fixed
+    order: bytes, scale_inv, then the transposed bytes and scale_inv where the entry has them. A
+    weight that changed since its last cast (e.g. an optimizer step) is cast first, once."""
+    out = []
+    for e in entries:
+        wq = cached_weight(*e)
+        out.append(wq._data)
+        out.append(wq._scale_inv)
+        if wq._data_t is not None:
+            out.append(wq._data_t)
+            if wq._scale_inv_t is not wq._scale_inv:
+                out.append(wq._scale_inv_t)
+    return out
 
 
 @contextlib.contextmanager
@@ -303,4 +345,4 @@ def refresh_graph_weights(entries) -> None:
 
 
 __all__ = ["FP8StateMixin", "GradOutputQuantizer", "InputQuantizer", "cached_weight", "delayed_state", "graph_weight_cache",
-           "quantize", "refresh_graph_weights", "with_colwise"]
+           "quantize", "refresh_graph_weights", "replay_weight_tensors", "replay_weights", "with_colwise"]
