@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fusible_ops as fo
+from fusible_ops.fusion_rules import disabled
 from fusible_ops.kernels import fp8_gemm as G
 import fusible_ops.quantization.casting as Q
 from fusible_ops.testing import SQNR_DB, assert_sqnr, quantized_reference, sqnr
@@ -380,19 +381,48 @@ def test_delayed_amax_reduced_over_a_process_group(tmp_path):
     assert r[0]["scale"][0].item() == pytest.approx(float(expected), rel=1e-6)
 
 
+def _casting_itself(act):
+    """``act`` turned into an activation that never serves an FP8 linear (each linear casts its
+    input and output gradient itself): the baseline the hand-off must equal."""
+
+    class Plain(type(act)):
+        writes_fp8_grad = False
+
+        def op_forward(self, ctx, x, next_op_input_quantizer=None, **kwargs):
+            return super().op_forward(ctx, x)
+
+        def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
+            return self.op_backward(ctxs[0], dy)[0], [()], [()]
+
+    act.__class__ = Plain
+    return act
+
+
 @pytest.mark.parametrize("recipe", RECIPES[:3], ids=IDS[:3])
-def test_activation_writes_the_next_linears_fp8_input(recipe, cast_roles):
-    """Hand-off: the fused bias + GELU writes the second linear's FP8 input (its pass records the
-    amax, then one cast writes both layouts; block: a standalone cast), its backward writes the
-    first linear's FP8 output gradient the same way, and the results equal the unfused chain's."""
+@pytest.mark.parametrize("chain", ["bias_gelu", "swiglu"])
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_activation_writes_the_next_linears_fp8_input(recipe, chain, dev, cast_roles):
+    """Hand-off: the activation writes the second linear's FP8 input (its pass records the amax,
+    then one cast writes both layouts; block: a standalone cast), its backward writes the first
+    linear's FP8 output gradient the same way, and the results equal those of a chain whose linears
+    cast themselves. ``bias_gelu``: the fused bias + GELU of rule linear_bias_activation;
+    ``swiglu``: a bias-free Llama MLP, the basic SwiGLU op (no rule matches)."""
     import copy
 
-    from fusible_ops.fusion_rules import disabled
-
-    fused = _mlp()
+    if dev == "cuda" and not G.fp8_capable(torch.device("cuda")):
+        pytest.skip("needs FP8 tensor cores")
+    if chain == "bias_gelu":
+        fused = _mlp(dev)
+        rules = ["linear_bias_activation", "linear_bias"]
+    else:
+        torch.manual_seed(0)
+        fused = fo.Sequential(fo.Linear(128, 512, bias=False, device=dev), fo.SwiGLU(),
+                              fo.Linear(256, 128, bias=False, device=dev))
+        rules = [None, None]
     plain = copy.deepcopy(fused)
+    _casting_itself(plain[1])
     g = torch.Generator().manual_seed(5)
-    x, dy = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
+    x, dy = torch.randn(128, 128, generator=g).to(dev), torch.randn(128, 128, generator=g).to(dev)
     casts = cast_roles
     outs = {}
     for name, seq in (("fused", fused), ("plain", plain)):
@@ -404,13 +434,15 @@ def test_activation_writes_the_next_linears_fp8_input(recipe, cast_roles):
                 y, dx = _run(seq, x, dy, recipe)
             outs[name] = (y, dx, seq[2].weight.grad.clone(), seq[0].weight.grad.clone(), _count(casts, "input"),
                           _count(casts, "grad_output"))
-            assert [r["rule"] for r in seq.fusion_plan()][0] == (
-                "linear_bias_activation" if name == "fused" else "linear_bias")
+            assert [r["rule"] for r in seq.fusion_plan()][0] == (rules[0] if name == "fused" else rules[1])
     assert outs["plain"][4:] == (4, 4)  # two steps: both linears cast their input and output gradient
     # the second linear's input came from the activation, the first linear's gradient from its backward
     assert outs["fused"][4:] == (2, 2)
     for a, b in zip(outs["fused"][:4], outs["plain"][:4]):
         assert torch.equal(a, b)
+    with fo.autocast(recipe=recipe):
+        text = fused.explain(x)
+    assert "input written for it by the fused producer of [" in text.split("[2] BasicLinear")[-1], text
 
 
 @pytest.mark.parametrize("recipe", RECIPES[:3], ids=IDS[:3])
@@ -461,6 +493,7 @@ def test_delayed_hand_off_without_grad_writes_fp8_in_the_producer(monkeypatch):
     recipe = fo.Float8DelayedScaling(amax_history_len=4)
     fused = _mlp()
     plain = copy.deepcopy(fused)
+    _casting_itself(plain[1])
     x = torch.randn(64, 128)
     calls = []
     real = A.bias_act_fwd_fp8

@@ -32,6 +32,11 @@ class Activation(BasicOperation):
     cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
     replayable = True  # (see FusibleOperation.replayable)
     gated: bool = False
+    # Before an FP8 linear, the activation's own kernels serve it: the forward pass also takes the
+    # amax of y (current scaling) or writes the FP8 bytes (delayed), the backward pass the amax of
+    # dx (see InputQuantizer.produce); fuser_backward only adds that, op_backward is the plain path.
+    writes_fp8_output = True
+    writes_fp8_grad = True
 
     def check_input(self, x: torch.Tensor) -> None:
         """Raise a clear error if ``x`` cannot be this activation's input."""
@@ -52,13 +57,23 @@ class Activation(BasicOperation):
             ctx.save_for_backward(x)
         ctx.act_bias = bias
 
-    def op_forward(self, ctx, x, **kwargs):
+    def op_forward(self, ctx, x, next_op_input_quantizer=None, **kwargs):
         self.check_input(x)
-        if not ctx.requires_grad and native_dtype_ok(x, self.gated) and not use_triton(x):
+        kind = self.kind
+        if next_op_input_quantizer is not None:  # the next op is an FP8 linear: this kernel serves its input
+
+            def run(amax=None, **fp8):
+                if amax is None:
+                    return _K.bias_act_fwd(x, None, kind)
+                return _K.bias_act_fwd_fp8(x, None, kind, amax=amax, **fp8)
+
+            y = next_op_input_quantizer.produce(run, x)
+        elif not ctx.requires_grad and native_dtype_ok(x, self.gated) and not use_triton(x):
             # Reference math with no ctx to fill (a call under PyTorch's autograd, or inference):
             # torch's ops in x's dtype, without the kernel API's checks and casts
-            return act_native(x, self.kind)
-        y = _K.bias_act_fwd(x, None, self.kind)
+            return act_native(x, kind)
+        else:
+            y = _K.bias_act_fwd(x, None, kind)
         self.save_ctx(ctx, x)
         return y
 
@@ -68,6 +83,21 @@ class Activation(BasicOperation):
         (x,) = ctx.saved_tensors
         dx, _ = _K.bias_act_bwd(dy, x, ctx.act_bias, self.kind, False)
         return dx, ()
+
+    def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, prev_op_grad_output_quantizer=None, **kwargs):
+        ctx, gq = ctxs[0], prev_op_grad_output_quantizer
+        if gq is None or not ctx.input_requires_grad:
+            return self.op_backward(ctx, dy)[0], [()], [()]
+        # the op before is an FP8 linear: this pass also takes max|dx| for its cast
+        (x,) = ctx.saved_tensors
+        kind = self.kind
+
+        def run(amax=None):
+            if amax is None:
+                return _K.bias_act_bwd(dy, x, ctx.act_bias, kind, False)[0]
+            return _K.bias_act_bwd_amax(dy, x, ctx.act_bias, kind, False, amax=amax)[0]
+
+        return gq.produce(run, x, direct=False), [()], [()]
 
 
 def _gelu(x, approximate):
