@@ -49,8 +49,8 @@ def test_import_prints_no_warning():
 
 def test_dependencies():
     """Core: torch and numpy (without numpy, ``import torch`` warns "Failed to initialize NumPy").
-    Triton only in the test extra (the interpreter; torch's CUDA wheels bring their own), matplotlib
-    only in the bench extra."""
+    Triton only in the test extra (the interpreter; torch's CUDA wheels bring their own); matplotlib
+    and the peers the harness times (torchao, liger-kernel) only in the bench extra."""
     tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
 
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
@@ -58,4 +58,4 @@ def test_dependencies():
     names = lambda reqs: {r.split(";")[0].split(">")[0].split("=")[0].strip() for r in reqs}  # noqa: E731
     assert names(project["dependencies"]) == {"torch", "numpy"}
     assert "triton" in names(project["optional-dependencies"]["test"])
-    assert names(project["optional-dependencies"]["bench"]) == {"matplotlib"}
+    assert names(project["optional-dependencies"]["bench"]) == {"matplotlib", "torchao", "liger-kernel"}

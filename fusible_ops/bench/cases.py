@@ -15,9 +15,9 @@ Work counted per call (forward + backward):
 from __future__ import annotations
 
 import copy
-import time
-
 import dataclasses
+import time
+import warnings
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -114,6 +114,23 @@ def _with_compile(ctx: BenchContext, variants: dict, eager: Callable, name: str 
     if ctx.compile:
         variants[name] = ctx.compiled(eager)
     return variants
+
+
+def liger(ctx: BenchContext, name: str):
+    """Liger-Kernel's autograd Function ``name`` (from ``liger_kernel.ops``) for the ``liger`` peer
+    variant, or None where it cannot run (not CUDA, liger-kernel not importable: the ``bench``
+    extra installs it)."""
+    if ctx.device.type != "cuda":
+        return None
+    try:
+        import liger_kernel.ops as L
+    except ImportError:
+        return None
+    except Exception as e:  # (installed, but it does not load with this torch / Triton)
+        warnings.warn(f"the Liger-Kernel peer is left out: liger_kernel.ops does not import ({type(e).__name__}: {e})",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    return getattr(L, name, None)
 
 
 def fp8_variants(ctx: BenchContext, call: Callable) -> dict:
@@ -219,10 +236,14 @@ def swiglu(ctx: BenchContext) -> Iterator[Bench]:
         return (ctx.randn(M, 2 * Fh, requires_grad=True),), ctx.randn(M, Fh)
 
     E = torch.tensor([], dtype=ctx.dtype).element_size()
+    variants = _with_compile(ctx, {"fused": lambda x: seq(x), "eager": eager}, eager)
+    lf = liger(ctx, "LigerFusedGateUpSiLUMulFunction")  # (gate and up in one tensor, as ours reads them)
+    if lf is not None:
+        variants["liger"] = lf.apply
     yield Bench(
         case="swiglu", config="", shape=_shape(M, 2 * Fh), dtype=ctx.dtype, metric="bytes",
         work=E * 8 * M * Fh, new_copy=new_copy, params=[],
-        variants=_with_compile(ctx, {"fused": lambda x: seq(x), "eager": eager}, eager),
+        variants=variants,
         fused_module=seq, plan_args=lambda inp: inp, expected_rules=(),
         notes={"fused": "single op (no rule): its Triton fwd/bwd kernels"},
     )
@@ -242,10 +263,14 @@ def residual_rmsnorm(ctx: BenchContext) -> Iterator[Bench]:
         return (ctx.randn(M, N, requires_grad=True), ctx.randn(M, N, requires_grad=True)), ctx.randn(M, N)
 
     E = torch.tensor([], dtype=ctx.dtype).element_size()
+    variants = _with_compile(ctx, {"fused": lambda x, r: seq(x, r), "eager": eager}, eager)
+    lf = liger(ctx, "LigerFusedAddRMSNormFunction")
+    if lf is not None:  # (Llama casting; in_place=False: the harness reuses its output gradient)
+        variants["liger"] = lambda x, r: lf.apply(x, r, w, EPS, 0.0, "llama", False)[0]
     yield Bench(
         case="residual_rmsnorm", config="", shape=_shape(M, N), dtype=ctx.dtype, metric="bytes",
         work=E * (7 * M * N + 3 * N), new_copy=new_copy, params=[w],
-        variants=_with_compile(ctx, {"fused": lambda x, r: seq(x, r), "eager": eager}, eager),
+        variants=variants,
         fused_module=seq, plan_args=lambda inp: inp,
         expected_rules=("residual_norm", "residual_norm_backward"),
     )
@@ -340,16 +365,20 @@ def norm_sizes(ctx: BenchContext) -> Iterator[Bench]:
                 def eager(x, N=N, w=w):
                     return F.rms_norm(x, (N,), w, EPS)
                 params, n_params = [w], 1
+                lf = liger(ctx, "LigerRMSNormFunction")
             _init_(w, std=0.1, mean=1.0)
             seq = fo.Sequential(op)
 
             def new_copy(N=N):
                 return (ctx.randn(M, N, requires_grad=True),), ctx.randn(M, N)
 
+            variants = _with_compile(ctx, {"fused": lambda x, seq=seq: seq(x), "eager": eager}, eager)
+            if kind == "rmsnorm" and lf is not None:  # (in_place=False: the harness reuses its output gradient)
+                variants["liger"] = lambda x, w=w, lf=lf: lf.apply(x, w, EPS, 0.0, "llama", False)
             yield Bench(
                 case="norm_sizes", config=f"{kind}_{n}", shape=_shape(M, N), dtype=ctx.dtype, metric="bytes",
                 work=E * (5 * M * N + 3 * n_params * N), new_copy=new_copy, params=params,
-                variants=_with_compile(ctx, {"fused": lambda x, seq=seq: seq(x), "eager": eager}, eager),
+                variants=variants,
                 fused_module=seq, plan_args=lambda inp: inp, expected_rules=(),
                 notes={"fused": "single op (no rule): its Triton fwd/bwd kernels"},
             )

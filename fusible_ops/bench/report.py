@@ -31,7 +31,7 @@ FAMILIES = [
 """(title, cases) of each table, in page order; cases of no family go to a last "Other" table."""
 
 PEER_LABELS = {"eager": "eager PyTorch", "compile": "torch.compile", "eager_loop": "per-expert loop",
-               "compile_loop": "compiled loop", "grouped_mm": "torch._grouped_mm"}
+               "compile_loop": "compiled loop", "grouped_mm": "torch._grouped_mm", "liger": "Liger-Kernel"}
 
 
 def load_rows(out_dir: str) -> list[dict]:
