@@ -209,11 +209,13 @@ def test_tuned_moe_layer_on_cuda_matches_the_static_plan():
     assert all(p.grad is None for p in seq.parameters())
     x2 = x.detach().clone().requires_grad_()
     (y, aux), (yr, auxr) = seq(x), ref(x2)
-    torch.testing.assert_close(y, yr)
+    # (the tuned plan may be another candidate than the static one, whose GEMMs and GLU passes
+    # round differently: a GEMM-like comparison for every tensor, as between any two plans)
+    assert_close_norm(y, yr)
     (y.float().sum() + aux).backward()
     (yr.float().sum() + auxr).backward()
-    torch.testing.assert_close(x.grad, x2.grad)
-    for p, q in zip(seq.parameters(), ref.parameters()):  # (two plans: a GEMM-like comparison)
+    assert_close_norm(x.grad, x2.grad)
+    for p, q in zip(seq.parameters(), ref.parameters()):
         assert_close_norm(p.grad, q.grad)
 
 
