@@ -13,7 +13,8 @@ from .grad import delayed_wgrad, flush_wgrad
 from .graphs import make_graphed_callables
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
 from .ops import (
-    GEGLU, GELU, AddExtraInput, AllGather, AllReduce, AllReduceGrad, BasicLinear, Bias, ConstantScale, Dropout,
+    GEGLU, GELU, AddExtraInput, AllGather, AllReduce, AllReduceGrad, BasicLinear, Bias, ConstantScale, CrossEntropy,
+    Dropout,
     GroupedLinear, Identity, LayerNorm,
     Linear, MakeExtraOutput, Quantize, ReduceScatter, ReGLU, ReLU, Reshape, RMSNorm, ScaledSwiGLU, SiLU, SwiGLU,
     Combine, Dispatch, Router,  # MoE routing (ops/moe.py)
@@ -34,7 +35,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AddExtraInput", "AllGather", "AllReduce", "AllReduceGrad", "BasicLinear", "Float8BlockScaling",
     "Float8CurrentScaling", "Float8DelayedScaling",
-    "Float8Tensor", "Quantize", "autocast", "quantization", "BasicOperation", "Bias", "ConstantScale", "Dropout", "FusedOperation",
+    "Float8Tensor", "Quantize", "autocast", "quantization", "BasicOperation", "Bias", "ConstantScale", "CrossEntropy",
+    "Dropout", "FusedOperation",
     "FusibleOperation", "FusionContext", "GEGLU", "GELU", "GroupedLinear", "Identity", "LayerNorm", "Linear",
     "MakeExtraOutput", "OperationContext", "OperationFuser", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "RMSNorm", "RuleSet",
     "ScaledSwiGLU", "SiLU", "Sequential", "SwiGLU", "check_errors", "delayed_wgrad", "device_checks", "flush_wgrad", "fusion_rules", "kernels", "make_graphed_callables",

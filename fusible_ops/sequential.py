@@ -500,6 +500,9 @@ class Sequential(torch.nn.Module):
                 for g in groups:
                     idx = [i + offset for i in g.indices]
                     what = f"rule {g.rule!r} -> {type(g.op).__name__}" if g.rule else "unfused"
+                    note = getattr(g.op, "explain_note", None)  # (a fused op's input-dependent detail)
+                    if note is not None and x is not None and offset == 0:
+                        what += f"; {note(x)}"
                     names = ", ".join(type(o).__name__ for o in g.op.basic_ops)
                     lines.append(f"  ops {idx} ({_modules_text(owners, idx)}): {what} ({names})")
         declines = [

@@ -47,6 +47,8 @@ def _extra_inputs(seq, x):
             extras.append(torch.rand(ROWS, generator=g))
         elif isinstance(op, fo.AddExtraInput):
             extras.append(torch.randn(ROWS, h, generator=g))
+        elif isinstance(op, fo.CrossEntropy):  # (class ids of the h logits)
+            extras.append(torch.randint(0, h, (ROWS,), generator=g))
         if hasattr(op, "out_features"):
             h = op.out_features if isinstance(op.out_features, int) else h
     return extras

@@ -4,6 +4,7 @@ from .activation import ACTIVATION_CLASSES, GEGLU, GELU, Activation, ReGLU, ReLU
 from .comm import COMM_CLASSES, AllGather, AllReduce, AllReduceGrad, ReduceScatter
 from .grouped_linear import GroupedLinear
 from .linear import Bias, BasicLinear, Linear
+from .loss import CrossEntropy
 from .misc import AddExtraInput, ConstantScale, Dropout, Identity, MakeExtraOutput, Reshape
 from .moe import Combine, Dispatch, Router, Routing
 from .norm import NORM_CLASSES, LayerNorm, RMSNorm
@@ -11,7 +12,7 @@ from .quantize import Quantize
 
 __all__ = [
     "ACTIVATION_CLASSES", "Activation", "AddExtraInput", "AllGather", "AllReduce", "AllReduceGrad",
-    "COMM_CLASSES", "BasicLinear", "Bias", "Combine", "ConstantScale", "Dispatch", "Dropout", "Router", "Routing",
+    "COMM_CLASSES", "BasicLinear", "Bias", "Combine", "ConstantScale", "CrossEntropy", "Dispatch", "Dropout", "Router", "Routing",
     "GEGLU", "GELU", "GroupedLinear", "Identity", "LayerNorm", "Linear", "MakeExtraOutput", "NORM_CLASSES",
     "Quantize", "RMSNorm", "ReGLU", "ReduceScatter", "ReLU", "Reshape", "ScaledSwiGLU", "SiLU", "SwiGLU",
 ]

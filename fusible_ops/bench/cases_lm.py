@@ -1,0 +1,51 @@
+"""Harness case ``lm_head``: a language model's head, ``Linear(d, V, bias=False) -> CrossEntropy``
+(rule ``linear_cross_entropy``: chunked, no ``[T, V]`` logits) at T=16384, d=4096, V=128256, bf16.
+
+Peers: eager ``F.cross_entropy(F.linear(x, W).float(), t)``, its ``torch.compile``, and
+Liger-Kernel's fused linear cross-entropy (``liger``) where importable. Work: the three GEMMs of
+the unfused step (``6 T d V`` FLOPs), against the bf16 matmul ceiling. Rows are checked against the
+eager composition (fp32 logits).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+import fusible_ops as fo
+
+from .cases import CASES, Bench, BenchContext, Case, _init_, _shape, _with_compile, liger
+
+
+def lm_head(ctx: BenchContext) -> Iterator[Bench]:
+    T, d, V = ctx.size(16384, 64), ctx.size(4096, 64), ctx.size(128256, 256)
+    seq = fo.Sequential(fo.Linear(d, V, bias=False, device=ctx.device, dtype=ctx.dtype), fo.CrossEntropy())
+    w = seq[0].weight
+    _init_(w, std=d ** -0.5)
+    g = torch.Generator(device=ctx.device).manual_seed(0)
+
+    def eager(x, t):
+        return F.cross_entropy(F.linear(x, w).float(), t)
+
+    def new_copy():
+        t = torch.randint(0, V, (T,), device=ctx.device, generator=g)
+        return (ctx.randn(T, d, requires_grad=True), t), torch.ones((), device=ctx.device)
+
+    variants = _with_compile(ctx, {"fused": lambda x, t: seq(x, t), "eager": eager}, eager)
+    lf = liger(ctx, "LigerFusedLinearCrossEntropyFunction")
+    if lf is not None:
+        variants["liger"] = lambda x, t: lf.apply(x, w, t)[0]
+    yield Bench(
+        case="lm_head", config="", shape=_shape(T, d, V), dtype=ctx.dtype, metric="flops",
+        work=6.0 * T * d * V, new_copy=new_copy, params=[w], variants=variants,
+        fused_module=seq, plan_args=lambda inp: inp, expected_rules=("linear_cross_entropy",),
+        notes={"fused": "linear_cross_entropy: chunks of tokens, logits recomputed in backward (4 GEMMs)"},
+    )
+
+
+CASES.update({  # (registered into the harness's catalogue when fusible_ops.bench is imported)
+    "lm_head": Case("Linear(4096, 128256, no bias) + CrossEntropy fwd+bwd, 16384 tokens (rule linear_cross_entropy) "
+                    "vs F.cross_entropy(F.linear(x, W).float(), t), its compile and Liger's fused linear CE", lm_head),
+})

@@ -1,0 +1,196 @@
+"""CrossEntropy (the op) and linear_cross_entropy (BasicLinear -> CrossEntropy, chunked): against
+float64 ``F.cross_entropy(x @ W.T)`` for every option and reduction, ignored rows, all rows ignored,
+chunks that do not divide the tokens, bf16 and fp32, 3-D input; no [T, V] tensor kept; errors."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusible_ops as fo
+from fusible_ops.fusion_rules import disabled
+from fusible_ops.fusion_rules import linear_ce as LCE
+from fusible_ops.ops.loss import cross_entropy_ref
+from fusible_ops.testing import assert_close, assert_close_norm
+
+D, V = 24, 37  # (V prime: no chunk or block divides it)
+OPTIONS = [dict(), dict(label_smoothing=0.1), dict(z_loss_coeff=1e-3), dict(logit_softcap=5.0),
+           dict(ignore_index=3, label_smoothing=0.2, z_loss_coeff=1e-2, logit_softcap=3.0)]
+OPT_IDS = ["plain", "smoothing", "z_loss", "softcap", "all"]
+
+
+def _targets(shape, ignore_index=-100, seed=1, n_ignored=3):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, V, shape, generator=g)
+    t.view(-1)[:n_ignored] = ignore_index
+    return t
+
+
+def _head(dtype, opts, reduction):
+    torch.manual_seed(0)
+    return fo.Sequential(fo.Linear(D, V, bias=False, dtype=dtype), fo.CrossEntropy(reduction=reduction, **opts))
+
+
+def _float64(seq, x, t, dy):
+    """Loss, dx and dW of F.cross_entropy(x @ W.T) in float64 (plus z-loss / softcap as documented)."""
+    ce = seq[1]
+    w = seq[0].weight.detach().double().requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    loss = cross_entropy_ref(x64 @ w.t(), t, ce.ignore_index, ce.reduction, ce.label_smoothing, ce.z_loss_coeff,
+                             ce.logit_softcap)
+    loss.backward(dy.double())
+    return loss, x64.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("opts", OPTIONS, ids=OPT_IDS)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_loss_and_gradients_match_float64(fused, opts, reduction, dtype, monkeypatch):
+    monkeypatch.setattr(LCE, "CHUNK_BYTES", 8 * V * 4)  # 4 rows per chunk: 3 chunks for 10 tokens
+    seq = _head(dtype, opts, reduction)
+    x = torch.randn(2, 5, D, dtype=dtype, requires_grad=True)  # 3-D input
+    t = _targets((2, 5), opts.get("ignore_index", -100))
+    dy = torch.randn(2, 5) if reduction == "none" else torch.tensor(1.7)
+    with (torch.enable_grad() if fused else disabled("linear_cross_entropy")):
+        rule = [r["rule"] for r in seq.fusion_plan("forward", x, t)][-1]
+        loss = seq(x, t)
+        loss.backward(dy)
+    assert rule == ("linear_cross_entropy" if fused else None)
+    assert loss.dtype == torch.float32 and loss.shape == (() if reduction != "none" else t.shape)
+    want_loss, want_dx, want_dw = _float64(seq, x, t, dy)
+    assert_close(loss, want_loss, dtype, msg="loss")  # (the logits are a GEMM's output in x's dtype)
+    assert x.grad.dtype == dtype
+    assert_close_norm(x.grad, want_dx, dtype, msg="dx")
+    assert_close_norm(seq[0].weight.grad, want_dw, dtype, msg="dW")
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_all_rows_ignored(fused):
+    """As F.cross_entropy: the mean is NaN, the sum 0, every gradient 0."""
+    for reduction, want in (("mean", float("nan")), ("sum", 0.0)):
+        seq = _head(torch.float32, {}, reduction)
+        x = torch.randn(6, D, requires_grad=True)
+        t = torch.full((6,), -100)
+        with (torch.enable_grad() if fused else disabled("linear_cross_entropy")):
+            loss = seq(x, t)
+            loss.backward()
+        assert torch.equal(loss, torch.tensor(want)) or (loss.isnan() and want != want)
+        assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(seq[0].weight.grad, torch.zeros(V, D))
+
+
+def test_op_alone_matches_torch_and_reference_forward():
+    ce = fo.CrossEntropy(label_smoothing=0.1)
+    z = torch.randn(3, 4, V, dtype=torch.float64, requires_grad=True)
+    t = _targets((3, 4))
+    got = fo.Sequential(ce)(z, t)
+    want = F.cross_entropy(z.reshape(-1, V), t.reshape(-1), label_smoothing=0.1)
+    assert_close(got, want, torch.float64)
+    assert_close(ce.reference_forward(z, t), want, torch.float64)
+    (g,) = torch.autograd.grad(got, z)
+    (g2,) = torch.autograd.grad(want, z)
+    assert_close(g, g2, torch.float64)
+
+
+def test_fused_head_keeps_no_tokens_by_vocab_tensor(monkeypatch):
+    """Saved-tensor bytes: the fused head keeps x, W, targets and one fp32 per token; unfused the
+    [T, V] logits are saved (the test can fail)."""
+    monkeypatch.setattr(LCE, "CHUNK_BYTES", 8 * V * 16)
+    T = 64
+
+    def largest_saved(fused):
+        seq = _head(torch.float32, {}, "mean")
+        x = torch.randn(T, D, requires_grad=True)
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with (torch.enable_grad() if fused else disabled("linear_cross_entropy")):
+                seq(x, _targets((T,))).backward()
+        return max(sizes)
+
+    assert largest_saved(True) < T * V
+    assert largest_saved(False) >= T * V
+
+
+def test_tied_embedding_weight_gets_both_gradients():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(V, D)
+    head = fo.Sequential(fo.Linear(D, V, bias=False), fo.CrossEntropy())
+    head[0].weight = emb.weight  # (tied: one Parameter)
+    ids, t = _targets((12,), n_ignored=0), _targets((12,), seed=2)
+    head(emb(ids), t).backward()
+    got = emb.weight.grad.clone()
+    ref_w = emb.weight.detach().double().requires_grad_()
+    F.cross_entropy(F.embedding(ids, ref_w) @ ref_w.t(), t).backward()
+    assert [r["rule"] for r in head.fusion_plan("forward", emb(ids), t)] == ["linear_cross_entropy"]
+    assert_close_norm(got, ref_w.grad, torch.float32)
+
+
+def test_declines_under_fp8_and_names_the_reason():
+    seq = fo.Sequential(fo.Linear(32, 48, bias=False), fo.CrossEntropy())
+    x, t = torch.randn(16, 32), torch.randint(0, 48, (16,))
+    with fo.autocast(recipe=fo.Float8CurrentScaling()):
+        text = seq.explain(x, t)
+        loss = seq(x, t)
+    assert "rule 'linear_cross_entropy'" in text and "FP8 recipe is active" in text
+    assert torch.isfinite(loss)
+
+
+def test_explain_shows_the_chunking(monkeypatch):
+    monkeypatch.setattr(LCE, "CHUNK_BYTES", 8 * V * 4)
+    seq = _head(torch.float32, {}, "mean")
+    text = seq.explain(torch.randn(10, D), _targets((10,)))
+    assert "3 chunk(s) of 4 token(s), no [10, 37] logits" in text
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_bad_targets_raise_naming_the_op(fused):
+    seq = _head(torch.float32, {}, "mean")
+    x = torch.randn(4, D)
+    with (torch.enable_grad() if fused else disabled("linear_cross_entropy")):
+        with pytest.raises(ValueError, match=r"CrossEntropy: target 37 is out of range \[0, 37\)"):
+            seq(x, torch.tensor([0, 1, 37, 2]))
+        with pytest.raises(TypeError, match="CrossEntropy: targets must be integer class ids"):
+            seq(x, torch.zeros(4))
+        with pytest.raises(ValueError, match="CrossEntropy: targets must have the logits' shape"):
+            seq(x, torch.zeros(4, 1, dtype=torch.long))
+        assert torch.isfinite(seq(x, torch.tensor([0, -100, 36, 2])))  # ignore_index is no error
+
+
+def test_bad_options_raise():
+    with pytest.raises(ValueError, match="reduction"):
+        fo.CrossEntropy(reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        fo.CrossEntropy(label_smoothing=1.5)
+    with pytest.raises(ValueError, match="logit_softcap"):
+        fo.CrossEntropy(logit_softcap=0.0)
+
+
+def test_targets_by_name_and_deepcopy():
+    seq = _head(torch.float32, {}, "mean")
+    x, t = torch.randn(5, D), _targets((5,), n_ignored=0)
+    assert torch.equal(seq(x, targets=t), copy.deepcopy(seq)(x, t))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gpu_fused_head_matches_float64(reduction, monkeypatch):
+    monkeypatch.setattr(LCE, "CHUNK_BYTES", 8 * 1000 * 100)
+    torch.manual_seed(0)
+    seq = fo.Sequential(fo.Linear(256, 1000, bias=False, device="cuda", dtype=torch.bfloat16),
+                        fo.CrossEntropy(reduction=reduction, z_loss_coeff=1e-4))
+    x = torch.randn(4, 130, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 1000, (4, 130), device="cuda")
+    t[0, :7] = -100
+    dy = torch.randn(4, 130, device="cuda") if reduction == "none" else torch.tensor(1.0, device="cuda")
+    assert [r["rule"] for r in seq.fusion_plan("forward", x, t)] == ["linear_cross_entropy"]
+    loss = seq(x, t)
+    loss.backward(dy)
+    want_loss, want_dx, want_dw = _float64(seq, x, t, dy)
+    assert_close(loss, want_loss, torch.bfloat16, msg="loss")
+    assert_close_norm(x.grad, want_dx, torch.bfloat16, msg="dx")
+    assert_close_norm(seq[0].weight.grad, want_dw, torch.bfloat16, msg="dW")
