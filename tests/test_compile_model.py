@@ -118,19 +118,15 @@ def _graphs_over_lengths(model, dynamic) -> int:
 @pytest.mark.parametrize("dynamic", [None, "mark", True])
 def test_new_lengths_compile_no_more_often_than_plain_torch(dynamic):
     """New sequence lengths recompile no more often than for the plain torch.nn model; the output
-    equals eager. ``dynamic=True`` needs ``torch._dynamo.config.specialize_float=True``
-    (docs/graphs-and-compile.md: with torch's default every float the fuser's autograd function
-    reads becomes a graph input, and dynamo fails to lift one inside its backward:
-    "lift_tracked_freevar_to_input should not be called on root SubgraphTracer")."""
+    equals eager (``dynamic=True`` with torch's default ``specialize_float=False`` included)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(Block(), Block())
-    with torch._dynamo.config.patch(specialize_float=dynamic is True):
-        plain = _graphs_over_lengths(torch.nn.Sequential(PlainBlock(), PlainBlock()), dynamic)
-        ours = _graphs_over_lengths(model, dynamic)
-        assert ours <= plain, (ours, plain)
-        compiled = torch.compile(model, backend="aot_eager", dynamic=dynamic is True)
-        x = torch.randn(2, 24, D)
-        torch.testing.assert_close(compiled(x), model(x))
+    plain = _graphs_over_lengths(torch.nn.Sequential(PlainBlock(), PlainBlock()), dynamic)
+    ours = _graphs_over_lengths(model, dynamic)
+    assert ours <= plain, (ours, plain)
+    compiled = torch.compile(model, backend="aot_eager", dynamic=dynamic is True)
+    x = torch.randn(2, 24, D)
+    torch.testing.assert_close(compiled(x), model(x))
     torch._dynamo.reset()
 
 

@@ -64,7 +64,7 @@ class Activation(BasicOperation):
 
             def run(amax=None, **fp8):
                 if amax is None:
-                    return _K.bias_act_fwd(x, None, kind)
+                    return _K.bias_act_fwd(x, None, kind, dropout_p=0.0)
                 return _K.bias_act_fwd_fp8(x, None, kind, amax=amax, **fp8)
 
             y = next_op_input_quantizer.produce(run, x)
@@ -73,7 +73,7 @@ class Activation(BasicOperation):
             # torch's ops in x's dtype, without the kernel API's checks and casts
             return act_native(x, kind)
         else:
-            y = _K.bias_act_fwd(x, None, kind)
+            y = _K.bias_act_fwd(x, None, kind, dropout_p=0.0)
         self.save_ctx(ctx, x)
         return y
 
@@ -81,7 +81,7 @@ class Activation(BasicOperation):
         if not ctx.input_requires_grad:
             return None, ()
         (x,) = ctx.saved_tensors
-        dx, _ = _K.bias_act_bwd(dy, x, ctx.act_bias, self.kind, False)
+        dx, _ = _K.bias_act_bwd(dy, x, ctx.act_bias, self.kind, False, dropout_p=0.0)
         return dx, ()
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, prev_op_grad_output_quantizer=None, **kwargs):
@@ -94,7 +94,7 @@ class Activation(BasicOperation):
 
         def run(amax=None):
             if amax is None:
-                return _K.bias_act_bwd(dy, x, ctx.act_bias, kind, False)[0]
+                return _K.bias_act_bwd(dy, x, ctx.act_bias, kind, False, dropout_p=0.0)[0]
             return _K.bias_act_bwd_amax(dy, x, ctx.act_bias, kind, False, amax=amax)[0]
 
         return gq.produce(run, x, direct=False), [()], [()]
