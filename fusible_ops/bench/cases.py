@@ -419,8 +419,8 @@ def _mlp(ctx: BenchContext, gated: bool) -> Iterator[Bench]:
         case="mlp_block_swiglu" if gated else "mlp_block", config="", shape=f"T={T} H={H} F={Fd}",
         dtype=ctx.dtype, metric="flops", work=3 * fwd_flops, new_copy=new_copy,
         params=[wn, w1, b1, w2, b2],
-        variants=_with_compile(ctx, {"fused": lambda x: seq(x, x), "eager": eager, **fp8_variants(ctx, lambda x: seq(x, x))},
-                               eager),
+        variants=_with_compile(ctx, {"fused": lambda x: seq(x, x), "eager": eager, **fp8_variants(ctx, lambda x: seq(x, x)),
+                                     **tuned(ctx, seq, lambda inp: (inp[0], inp[0]))}, eager),
         fused_module=seq, plan_args=lambda inp: (inp[0], inp[0]),
         expected_rules=("linear_bias_activation", "activation_bias_backward"),
         tolerances=dict.fromkeys(("fp8_current", "fp8_delayed", "fp8_block"), FP8_REL_ERR),
@@ -530,6 +530,7 @@ def _grouped(ctx: BenchContext, name: str, E: int, T: int, H: int, Fd: int) -> I
         _with_compile(ctx, variants, loop, "compile_loop")
         variants.update(graphed(ctx, seq, mlp_args))
         variants.update(graphed(ctx, seq, mlp_args, recipe=fo.Float8CurrentScaling()) if "fp8_current" in variants else {})
+        variants.update(tuned(ctx, seq, mlp_args))
         fwd_flops = 2 * T * H * 2 * Fd + 2 * T * Fd * H
         bench = Bench(
             case=name, config=routing, shape=f"E={E} T={T} H={H} F={Fd}", dtype=ctx.dtype, metric="flops",

@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fusible_ops as fo
 
-from .cases import CASES, EPS, FP8_REL_ERR, Bench, BenchContext, Case, Lazy, _with_compile, fp8_variants, graphed
+from .cases import CASES, EPS, FP8_REL_ERR, Bench, BenchContext, Case, Lazy, _with_compile, fp8_variants, graphed, tuned
 from .cases_moe import grouped_mm_moe, moe_sequential
 from .common import is_fp8_variant
 from ..ops.moe import record_routing
@@ -401,6 +401,8 @@ def _stack_bench(ctx: BenchContext, case: str, config: str, shape: str, work: fl
     variants.update(graphed(ctx, ours, lambda inp: inp))
     if "fp8_current" in variants:
         variants.update(graphed(ctx, ours, lambda inp: inp, recipe=fo.Float8CurrentScaling()))
+    if log is None:  # (dense: a tuned copy's MoE routers would not log the expert choice the check replays)
+        variants.update(tuned(ctx, ours, lambda inp: inp))
     skipped = []
     if peers:
         ao, why = torchao_variants(ctx, plain)
