@@ -10,7 +10,9 @@ The ``[T, V]`` logits are the largest activation of a language model (T=16384 to
   logsumexp (fp32 [T]).
 * backward, per chunk: the logits again (one GEMM), their gradient in float32
   (:func:`~fusible_ops.ops.loss.ce_grad`, scaled by the loss's gradient) cast to x's dtype, then
-  ``dx_c = dlogits @ W`` and ``dW += dlogits.T @ x_c`` (fp32 accumulation across chunks).
+  ``dx_c = dlogits @ W`` and ``dW += dlogits.T @ x_c`` (an ``addmm_`` into the gradient itself:
+  the GEMM accumulates in fp32, one rounding per chunk; into an fp32 ``main_grad`` in row blocks),
+  so the head's backward holds no ``[V, d]`` buffer beyond the gradient it returns.
 
 So a step runs four GEMMs where the unfused ops run three; the recomputation is what keeps the
 gradient contract whole: the weight gradient goes through
@@ -99,16 +101,14 @@ class LinearCrossEntropy(FusedOperation):
             return ce_grad(x2[s:s + step] @ w.t(), t[s:s + step], lse[s:s + step], g[s:s + step], *opts).to(x2.dtype)
 
         def compute(out, acc):  # the weight gradient (and dx, when this is the first pass)
-            dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            dw = torch.zeros_like(w) if out is None else (out if acc else out.zero_())
             for s in range(0, n, step):
                 d = dlogits(s)
                 if pending_dx[0]:
                     torch.mm(d, w, out=dx[s:s + step])
-                dw.add_(d.t() @ x2[s:s + step])
+                _add_wgrad(dw, d, x2[s:s + step])
             pending_dx[0] = False
-            if out is None:
-                return dw.to(w.dtype)
-            return out.add_(dw) if acc else out.copy_(dw)
+            return dw
 
         dw = deliver_weight_grad(lin, lin.weight, compute) if lctx.weight_grad else None
         if pending_dx[0]:  # frozen head, or its weight gradient delayed
@@ -118,6 +118,18 @@ class LinearCrossEntropy(FusedOperation):
         if dx is not None:
             dx = dx.reshape(lctx.input_shape)
         return dx, [(dw,), ()], [(), (None,)]
+
+
+def _add_wgrad(dw: torch.Tensor, d: torch.Tensor, x: torch.Tensor) -> None:
+    """``dw += d.T @ x`` with no temporary of dw's size: one ``addmm_`` (the GEMM accumulates in fp32
+    and adds dw before its one rounding) when the dtypes agree; into an fp32 ``main_grad``, in
+    blocks of at most 1/8 of the rows."""
+    if dw.dtype == d.dtype:
+        dw.addmm_(d.t(), x)
+        return
+    block = max(1, -(-dw.shape[0] // 8))
+    for v in range(0, dw.shape[0], block):
+        dw[v:v + block].add_(d[:, v:v + block].t() @ x)
 
 
 def _check(ops, ctx):
