@@ -7,6 +7,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given  # (the CI profile: tests/conftest.py)
+from hypothesis import strategies as st
 
 import fusible_ops as fo
 from fusible_ops.fusion_rules import disabled
@@ -194,3 +196,35 @@ def test_gpu_fused_head_matches_float64(reduction, monkeypatch):
     assert_close(loss, want_loss, torch.bfloat16, msg="loss")
     assert_close_norm(x.grad, want_dx, torch.bfloat16, msg="dx")
     assert_close_norm(seq[0].weight.grad, want_dw, torch.bfloat16, msg="dW")
+
+
+@given(T=st.integers(0, 19), d=st.integers(1, 9), vocab=st.integers(1, 23), chunk=st.integers(1, 7),
+       reduction=st.sampled_from(["mean", "sum", "none"]), smoothing=st.sampled_from([0.0, 0.3]),
+       z=st.sampled_from([0.0, 0.01]), cap=st.sampled_from([None, 2.0]), ignored=st.integers(0, 19),
+       seed=st.integers(0, 2**16))
+def test_fused_head_property_against_float64(T, d, vocab, chunk, reduction, smoothing, z, cap, ignored, seed):
+    """Any token count (0 included), width, vocabulary and chunk size: the fused head equals the
+    float64 composition (fp32 tolerance), and fused it is."""
+    g = torch.Generator().manual_seed(seed)
+    seq = fo.Sequential(fo.Linear(d, vocab, bias=False),
+                        fo.CrossEntropy(reduction=reduction, label_smoothing=smoothing, z_loss_coeff=z, logit_softcap=cap))
+    with torch.no_grad():
+        seq[0].weight.copy_(torch.randn(vocab, d, generator=g))
+    x = torch.randn(T, d, generator=g, requires_grad=True)
+    t = torch.randint(0, vocab, (T,), generator=g)
+    t[: min(ignored, T)] = -100
+    dy = torch.randn(T, generator=g) if reduction == "none" else torch.tensor(0.7)
+    old, LCE.CHUNK_BYTES = LCE.CHUNK_BYTES, 8 * vocab * chunk
+    try:
+        assert [r["rule"] for r in seq.fusion_plan("forward", x, t)] == ["linear_cross_entropy"]
+        loss = seq(x, t)
+        loss.backward(dy)
+    finally:
+        LCE.CHUNK_BYTES = old
+    want_loss, want_dx, want_dw = _float64(seq, x, t, dy)
+    if reduction == "mean" and bool((t == -100).all()):
+        assert loss.isnan() and want_loss.isnan()
+    else:
+        assert_close(loss, want_loss, torch.float32, msg="loss")
+    assert_close(x.grad, want_dx, torch.float32, msg="dx")
+    assert_close(seq[0].weight.grad, want_dw, torch.float32, msg="dW")
