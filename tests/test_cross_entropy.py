@@ -14,7 +14,7 @@ import fusible_ops as fo
 from fusible_ops.fusion_rules import disabled
 from fusible_ops.fusion_rules import linear_ce as LCE
 from fusible_ops.ops.loss import cross_entropy_ref
-from fusible_ops.testing import assert_close, assert_close_norm
+from fusible_ops.testing import SQNR_DB, assert_close, assert_close_norm, assert_sqnr
 
 D, V = 24, 37  # (V prime: no chunk or block divides it)
 OPTIONS = [dict(), dict(label_smoothing=0.1), dict(z_loss_coeff=1e-3), dict(logit_softcap=5.0),
@@ -132,13 +132,41 @@ def test_tied_embedding_weight_gets_both_gradients():
     assert_close_norm(got, ref_w.grad, torch.float32)
 
 
-def test_declines_under_fp8_and_names_the_reason():
-    seq = fo.Sequential(fo.Linear(32, 48, bias=False), fo.CrossEntropy())
-    x, t = torch.randn(16, 32), torch.randint(0, 48, (16,))
-    with fo.autocast(recipe=fo.Float8CurrentScaling()):
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_fp8_current_scaling_runs_the_chunked_gemms_in_fp8(reduction, monkeypatch):
+    """Under Float8CurrentScaling the fused head's GEMMs run FP8 (CPU: emulation): per-token losses
+    and gradients against float64 within the FP8 SQNR table; chunks of 16 tokens (the FP8 dims)."""
+    monkeypatch.setattr(LCE, "CHUNK_BYTES", 8 * 48 * 16)
+    torch.manual_seed(0)
+    seq = fo.Sequential(fo.Linear(32, 48, bias=False), fo.CrossEntropy(reduction=reduction))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 32, generator=g, requires_grad=True)
+    t = torch.randint(0, 48, (64,), generator=g)
+    dy = torch.randn(64, generator=g) if reduction == "none" else torch.tensor(1.0)
+    recipe = fo.Float8CurrentScaling()
+    with fo.autocast(recipe=recipe):
+        assert [r["rule"] for r in seq.fusion_plan("forward", x, t)] == ["linear_cross_entropy"]
+        assert "FP8 GEMMs" in seq.explain(x, t)
+        loss = seq(x, t)
+    loss.backward(dy)
+    want_loss, want_dx, want_dw = _float64(seq, x, t, dy)
+    if reduction == "none":
+        assert_sqnr(loss, want_loss, SQNR_DB["output", recipe.fp8_format], msg="loss")
+    assert_sqnr(x.grad, want_dx, SQNR_DB["grad", recipe.fp8_format], msg="dx")
+    assert_sqnr(seq[0].weight.grad, want_dw, SQNR_DB["grad", recipe.fp8_format], msg="dW")
+    # the FP8 path is what ran: the same head outside autocast differs
+    x2 = x.detach().clone().requires_grad_()
+    assert not torch.equal(seq(x2, t), loss.detach())
+
+
+@pytest.mark.parametrize("recipe", [fo.Float8DelayedScaling(), fo.Float8BlockScaling()], ids=["delayed", "block"])
+def test_declines_under_other_fp8_recipes_and_names_the_reason(recipe):
+    seq = fo.Sequential(fo.Linear(128, 256, bias=False), fo.CrossEntropy())
+    x, t = torch.randn(128, 128), torch.randint(0, 256, (128,))
+    with fo.autocast(recipe=recipe):
         text = seq.explain(x, t)
         loss = seq(x, t)
-    assert "rule 'linear_cross_entropy'" in text and "FP8 recipe is active" in text
+    assert "rule 'linear_cross_entropy'" in text and "Float8CurrentScaling only" in text
     assert torch.isfinite(loss)
 
 

@@ -24,7 +24,11 @@ Chunk size: :data:`CHUNK_BYTES` (the fp32 logits and their gradient of one chunk
 bytes per row. ``explain()`` shows it. The math is torch's ops on every device (CPU included:
 the CPU tests prove the memory behaviour); there is no Triton kernel for the loss pass yet.
 
-Declines under an FP8 recipe (the chunked GEMMs run in high precision; unfused, the linear runs FP8).
+Under :class:`~fusible_ops.Float8CurrentScaling` the GEMMs run in FP8: x quantized once per call
+(both layouts when W's gradient is needed), W from the weight cache, each chunk's logits gradient
+quantized once (E5M2 under "hybrid") for its dx and dW GEMMs; chunks are then a multiple of 16 tokens
+(the FP8 dims), and each chunk's dW adds through one ``[V, d]`` temporary. Declines under the other
+recipes (delayed scaling would update its history once per chunk; block scaling is not built).
 """
 
 from __future__ import annotations
@@ -32,19 +36,26 @@ from __future__ import annotations
 import torch
 
 from ..grad import deliver_weight_grad
+from ..kernels.fp8_gemm import fp8_gemm
 from ..op import FusedOperation
+from ..ops.fp8_linear import check_dims
 from ..ops.linear import BasicLinear
 from ..ops.loss import CrossEntropy, ce_grad, ce_rows, reduce_rows, row_scale
 from ..ops.validation import check_input
+from ..quantization.casting import cached_weight, quantize
+from ..quantization.recipes import Float8CurrentScaling, current_recipe
+from ..quantization.tensor import Float8Tensor
 from ..rules import rule
 
 CHUNK_BYTES = 512 << 20
 """Memory target of one chunk: its fp32 logits and their fp32 gradient (``8 * V`` bytes per row)."""
 
 
-def chunk_rows(vocab: int, rows: int) -> int:
-    """Rows per chunk for ``rows`` tokens and ``vocab`` classes (at least 1, at most ``rows``)."""
-    return max(1, min(rows, CHUNK_BYTES // (8 * vocab)))
+def chunk_rows(vocab: int, rows: int, fp8: bool = False) -> int:
+    """Rows per chunk for ``rows`` tokens and ``vocab`` classes (at least 1, at most ``rows``; under
+    FP8 a multiple of 16, the weight gradient's reduction dim)."""
+    step = max(1, min(rows, CHUNK_BYTES // (8 * vocab)))
+    return max(16, step // 16 * 16) if fp8 else step
 
 
 class LinearCrossEntropy(FusedOperation):
@@ -59,9 +70,11 @@ class LinearCrossEntropy(FusedOperation):
         """The chunking for an input like ``x`` (explain() appends it to the plan line)."""
         lin = self.basic_ops[0]
         rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
-        step = chunk_rows(lin.out_features, rows)
+        fp8 = current_recipe() is not None
+        step = chunk_rows(lin.out_features, rows, fp8=fp8)
         return (f"{-(-rows // step) if rows else 0} chunk(s) of {step} token(s), no [{rows}, {lin.out_features}] "
-                f"logits (logits recomputed in backward)")
+                f"logits (logits recomputed in backward)" + ("; FP8 GEMMs, each chunk's logits gradient cast once"
+                                                             if fp8 else ""))
 
     def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
         lin, ce = self.basic_ops
@@ -71,53 +84,133 @@ class LinearCrossEntropy(FusedOperation):
         (targets,) = extra_inputs[1]
         vocab = lin.out_features
         t = ce.check_targets((*x.shape[:-1], vocab), vocab, targets, x.device)
+        if type(x) is Float8Tensor:
+            x = x.dequantize()
         x2 = x.reshape(-1, lin.in_features)
         n = x2.shape[0]
-        step = chunk_rows(vocab, n)
+        wg = lctx.requires_grad and lctx.weight_requires_grad and w.requires_grad
+        recipe = current_recipe()
+        if recipe is None:
+            gemms = _HighPrecision(x2, w)
+        else:  # FP8 current scaling (the rule declines the other recipes)
+            check_dims(lin, recipe, n, vocab, lin.in_features, wg)
+            owner = lin.param_owner("weight")
+            xq = quantize(x2, recipe, "input", transposed=wg, owner=owner)
+            wq = cached_weight(owner, w, recipe, transposed=lctx.requires_grad and lctx.input_requires_grad)
+            gemms = _Fp8(recipe, x2.dtype, xq.rowwise, xq.colwise, wq.rowwise, wq.colwise)
+        step = chunk_rows(vocab, n, fp8=recipe is not None)
         rows = torch.empty(n, dtype=torch.float32, device=x.device)
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         opts = ce.options()
         for s in range(0, n, step):
-            rows[s:s + step], lse[s:s + step] = ce_rows(x2[s:s + step] @ w.t(), t[s:s + step], *opts)
+            rows[s:s + step], lse[s:s + step] = ce_rows(gemms.logits(s, s + step), t[s:s + step], *opts)
         loss = reduce_rows(rows, t, ce.ignore_index, ce.reduction, targets.shape)
         if lctx.requires_grad:
-            lctx.weight_grad = lctx.weight_requires_grad and w.requires_grad
-            lctx.save_for_backward(x2, w, t, lse)
+            lctx.weight_grad = wg
+            lctx.fp8 = gemms.state()  # (non-tensor state; the tensors go through save_for_backward)
+            lctx.save_for_backward(t, lse, *gemms.tensors())
             lctx.input_shape = x.shape
         return loss, self._no_extras
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
         lin, ce = self.basic_ops
         lctx = ctxs[0]
-        x2, w, t, lse = lctx.saved_tensors
+        t, lse, *tensors = lctx.saved_tensors
+        gemms = _HighPrecision.restore(lctx.fp8, tensors)
+        w = lin.weight
         g = row_scale(dy, t, ce.ignore_index, ce.reduction)
         opts = ce.options()
-        n = x2.shape[0]
-        step = chunk_rows(lin.out_features, n)
-        dx = torch.empty_like(x2) if lctx.input_requires_grad else None
+        n = t.shape[0]
+        step = chunk_rows(lin.out_features, n, fp8=lctx.fp8 is not None)
+        dx = torch.empty(n, lin.in_features, dtype=gemms.dtype, device=t.device) if lctx.input_requires_grad else None
         pending_dx = [dx is not None]  # (filled by the first pass over the chunks, whichever it is)
 
-        def dlogits(s: int) -> torch.Tensor:
-            return ce_grad(x2[s:s + step] @ w.t(), t[s:s + step], lse[s:s + step], g[s:s + step], *opts).to(x2.dtype)
+        def dlogits(s: int):  # the chunk's logits gradient as its two GEMMs read it
+            d = ce_grad(gemms.logits(s, s + step), t[s:s + step], lse[s:s + step], g[s:s + step], *opts)
+            return gemms.prepare(d.to(gemms.dtype))
 
         def compute(out, acc):  # the weight gradient (and dx, when this is the first pass)
             dw = torch.zeros_like(w) if out is None else (out if acc else out.zero_())
             for s in range(0, n, step):
                 d = dlogits(s)
                 if pending_dx[0]:
-                    torch.mm(d, w, out=dx[s:s + step])
-                _add_wgrad(dw, d, x2[s:s + step])
+                    gemms.dx(d, dx[s:s + step])
+                gemms.add_wgrad(dw, d, s, s + step)
             pending_dx[0] = False
             return dw
 
-        dw = deliver_weight_grad(lin, lin.weight, compute) if lctx.weight_grad else None
+        dw = deliver_weight_grad(lin, w, compute) if lctx.weight_grad else None
         if pending_dx[0]:  # frozen head, or its weight gradient delayed
             for s in range(0, n, step):
-                torch.mm(dlogits(s), w, out=dx[s:s + step])
+                gemms.dx(dlogits(s), dx[s:s + step])
             pending_dx[0] = False
         if dx is not None:
             dx = dx.reshape(lctx.input_shape)
         return dx, [(dw,), ()], [(), (None,)]
+
+
+class _HighPrecision:
+    """The head's three GEMM shapes in x's dtype: a chunk's logits, its dx, its dW contribution."""
+
+    def __init__(self, x2: torch.Tensor, w: torch.Tensor) -> None:
+        self.x2, self.w, self.dtype = x2, w, x2.dtype
+
+    @staticmethod
+    def restore(state, tensors):
+        return _HighPrecision(*tensors) if state is None else _Fp8.from_saved(state, tensors)
+
+    def state(self):
+        return None
+
+    def tensors(self) -> tuple:
+        return self.x2, self.w
+
+    def logits(self, s: int, e: int) -> torch.Tensor:
+        return self.x2[s:e] @ self.w.t()
+
+    def prepare(self, d: torch.Tensor):
+        return d
+
+    def dx(self, d, out: torch.Tensor) -> None:
+        torch.mm(d, self.w, out=out)
+
+    def add_wgrad(self, dw: torch.Tensor, d, s: int, e: int) -> None:
+        _add_wgrad(dw, d, self.x2[s:e])
+
+
+class _Fp8:
+    """The same GEMMs in FP8 (current scaling): x and W quantized once per call (W from the weight
+    cache), each chunk's logits gradient quantized once (E5M2 under "hybrid") for its dx and dW."""
+
+    def __init__(self, recipe, dtype, x_rows, x_cols, w_rows, w_cols) -> None:
+        self.recipe, self.dtype = recipe, dtype
+        self.x_rows, self.x_cols, self.w_rows, self.w_cols = x_rows, x_cols, w_rows, w_cols
+
+    def state(self):
+        return self.recipe, self.dtype
+
+    def tensors(self) -> tuple:
+        none = (None, None)
+        return (*self.x_rows, *(self.x_cols or none), *self.w_rows, *(self.w_cols or none))
+
+    @staticmethod
+    def from_saved(state, parts) -> "_Fp8":
+        """From :meth:`state` and the saved :meth:`tensors` (pairs; None where not made)."""
+        return _Fp8(*state, *[None if parts[i] is None else (parts[i], parts[i + 1]) for i in range(0, 8, 2)])
+
+    def logits(self, s: int, e: int) -> torch.Tensor:
+        data, inv = self.x_rows
+        return fp8_gemm((data[s:e], inv), self.w_rows, "tensor", "tensor", self.dtype)
+
+    def prepare(self, d: torch.Tensor):
+        return quantize(d, self.recipe, "grad_output", transposed=self.x_cols is not None)
+
+    def dx(self, dq, out: torch.Tensor) -> None:
+        fp8_gemm(dq.rowwise, self.w_cols, "tensor", "tensor", out.dtype, out=out)
+
+    def add_wgrad(self, dw: torch.Tensor, dq, s: int, e: int) -> None:
+        data, inv = self.x_cols
+        fp8_gemm(dq.colwise, (data[:, s:e], inv), "tensor", "tensor", dw.dtype, out=dw, accumulate=True)
 
 
 def _add_wgrad(dw: torch.Tensor, d: torch.Tensor, x: torch.Tensor) -> None:
@@ -133,8 +226,9 @@ def _add_wgrad(dw: torch.Tensor, d: torch.Tensor, x: torch.Tensor) -> None:
 
 
 def _check(ops, ctx):
-    if ctx.recipe is not None:
-        return "an FP8 recipe is active: the chunked GEMMs run in high precision (unfused, the linear runs FP8)"
+    if ctx.recipe is not None and not isinstance(ctx.recipe, Float8CurrentScaling):
+        return (f"{type(ctx.recipe).__name__}: the chunked head runs FP8 under Float8CurrentScaling only "
+                "(delayed scaling would update its history once per chunk)")
     return None
 
 
