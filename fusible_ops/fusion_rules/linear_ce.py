@@ -209,8 +209,8 @@ class _Fp8:
         fp8_gemm(dq.rowwise, self.w_cols, "tensor", "tensor", out.dtype, out=out)
 
     def add_wgrad(self, dw: torch.Tensor, dq, s: int, e: int) -> None:
-        data, inv = self.x_cols
-        fp8_gemm(dq.colwise, (data[:, s:e], inv), "tensor", "tensor", dw.dtype, out=dw, accumulate=True)
+        data, inv = self.x_cols  # (the chunk's columns copied out: [d, chunk] FP8, small; a plain operand)
+        fp8_gemm(dq.colwise, (data[:, s:e].contiguous(), inv), "tensor", "tensor", dw.dtype, out=dw, accumulate=True)
 
 
 def _add_wgrad(dw: torch.Tensor, d: torch.Tensor, x: torch.Tensor) -> None:
