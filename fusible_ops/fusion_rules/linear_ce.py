@@ -116,7 +116,7 @@ class LinearCrossEntropy(FusedOperation):
         lin, ce = self.basic_ops
         lctx = ctxs[0]
         t, lse, *tensors = lctx.saved_tensors
-        gemms = _HighPrecision.restore(lctx.fp8, tensors)
+        gemms = _HighPrecision(*tensors) if lctx.fp8 is None else _Fp8.from_saved(lctx.fp8, tensors)
         w = lin.weight
         g = row_scale(dy, t, ce.ignore_index, ce.reduction)
         opts = ce.options()
@@ -154,10 +154,6 @@ class _HighPrecision:
 
     def __init__(self, x2: torch.Tensor, w: torch.Tensor) -> None:
         self.x2, self.w, self.dtype = x2, w, x2.dtype
-
-    @staticmethod
-    def restore(state, tensors):
-        return _HighPrecision(*tensors) if state is None else _Fp8.from_saved(state, tensors)
 
     def state(self):
         return None
