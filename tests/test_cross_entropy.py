@@ -48,9 +48,10 @@ def _float64(seq, x, t, dy):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("opts", OPTIONS, ids=OPT_IDS)
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("fused", ["forward", "backward", False], ids=["grad_in_forward", "recompute", "unfused"])
 def test_loss_and_gradients_match_float64(fused, opts, reduction, dtype, monkeypatch):
-    monkeypatch.setattr(LCE, "CHUNK_BYTES", 8 * V * 4)  # 4 rows per chunk: 3 chunks for 10 tokens
+    monkeypatch.setattr(LCE, "CHUNK_BYTES", V * 4 * dtype.itemsize)  # 4 rows per chunk: 3 chunks for 10 tokens
+    monkeypatch.setattr(LCE, "GRAD_IN_FORWARD", fused == "forward")
     seq = _head(dtype, opts, reduction)
     x = torch.randn(2, 5, D, dtype=dtype, requires_grad=True)  # 3-D input
     t = _targets((2, 5), opts.get("ignore_index", -100))
@@ -98,7 +99,7 @@ def test_op_alone_matches_torch_and_reference_forward():
 def test_fused_head_keeps_no_tokens_by_vocab_tensor(monkeypatch):
     """Saved-tensor bytes: the fused head keeps x, W, targets and one fp32 per token; unfused the
     [T, V] logits are saved (the test can fail)."""
-    monkeypatch.setattr(LCE, "CHUNK_BYTES", 8 * V * 16)
+    monkeypatch.setattr(LCE, "CHUNK_BYTES", 4 * V * 16)
     T = 64
 
     def largest_saved(fused):
@@ -112,7 +113,7 @@ def test_fused_head_keeps_no_tokens_by_vocab_tensor(monkeypatch):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with (torch.enable_grad() if fused else disabled("linear_cross_entropy")):
                 seq(x, _targets((T,))).backward()
-        return max(sizes)
+        return max(sizes, default=0)
 
     assert largest_saved(True) < T * V
     assert largest_saved(False) >= T * V
@@ -136,7 +137,7 @@ def test_tied_embedding_weight_gets_both_gradients():
 def test_fp8_current_scaling_runs_the_chunked_gemms_in_fp8(reduction, monkeypatch):
     """Under Float8CurrentScaling the fused head's GEMMs run FP8 (CPU: emulation): per-token losses
     and gradients against float64 within the FP8 SQNR table; chunks of 16 tokens (the FP8 dims)."""
-    monkeypatch.setattr(LCE, "CHUNK_BYTES", 8 * 48 * 16)
+    monkeypatch.setattr(LCE, "CHUNK_BYTES", 4 * 48 * 16)
     torch.manual_seed(0)
     seq = fo.Sequential(fo.Linear(32, 48, bias=False), fo.CrossEntropy(reduction=reduction))
     g = torch.Generator().manual_seed(4)
@@ -170,11 +171,53 @@ def test_declines_under_other_fp8_recipes_and_names_the_reason(recipe):
     assert torch.isfinite(loss)
 
 
-def test_explain_shows_the_chunking(monkeypatch):
-    monkeypatch.setattr(LCE, "CHUNK_BYTES", 8 * V * 4)
+def test_explain_shows_the_chunking_and_schedule(monkeypatch):
+    monkeypatch.setattr(LCE, "CHUNK_BYTES", 4 * V * 4)
+    text = _head(torch.float32, {}, "mean").explain(torch.randn(10, D), _targets((10,)))
+    assert "3 chunk(s) of 4 token(s), no [10, 37] logits; gradients in forward (3 GEMMs)" in text
+    text = _head(torch.float32, {}, "none").explain(torch.randn(10, D), _targets((10,)))
+    assert "logits recomputed in backward (4 GEMMs)" in text
+
+
+def test_chunk_rows_follows_the_memory_target(monkeypatch):
+    monkeypatch.setattr(LCE, "CHUNK_BYTES", 128 << 20)
+    assert LCE.chunk_rows(128256, 16384, 2) == 512  # (523 rows fit: rounded down to a multiple of 128)
+    assert LCE.chunk_rows(128256, 300, 2) == 300
+    assert LCE.chunk_rows(128256, 16384, 4) == 256
+    assert LCE.chunk_rows(10**9, 5, 2) == 1
+    assert LCE.chunk_rows(10**9, 64, 2, fp8=True) == 16
+
+
+def test_gradients_in_forward_run_backward_once():
+    """The default schedule hands out gradients made in forward and scaled in place: a second
+    backward raises (autograd's in-place check) instead of returning a wrong gradient; the
+    recompute schedule allows it."""
     seq = _head(torch.float32, {}, "mean")
-    text = seq.explain(torch.randn(10, D), _targets((10,)))
-    assert "3 chunk(s) of 4 token(s), no [10, 37] logits" in text
+    x, t = torch.randn(6, D, requires_grad=True), _targets((6,))
+    loss = seq(x, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    old, LCE.GRAD_IN_FORWARD = LCE.GRAD_IN_FORWARD, False
+    try:
+        x.grad = None
+        loss = seq(x, t)
+        loss.backward(retain_graph=True)
+        first = x.grad.clone()
+        loss.backward()
+    finally:
+        LCE.GRAD_IN_FORWARD = old
+    assert torch.allclose(x.grad, 2 * first)
+
+
+def test_gradients_in_forward_keep_neither_x_nor_w_nor_logits():
+    """The default schedule keeps dx and dW (made in forward), neither x nor any [T, V] tensor."""
+    seq = _head(torch.float32, {}, "sum")
+    x, t = torch.randn(6, D, requires_grad=True), _targets((6,))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s.shape) or s, lambda s: s):
+        seq(x, t).backward()
+    assert saved == [(6, D), (V, D)]
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
@@ -207,9 +250,10 @@ def test_targets_by_name_and_deepcopy():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_gpu_fused_head_matches_float64(reduction, monkeypatch):
-    monkeypatch.setattr(LCE, "CHUNK_BYTES", 8 * 1000 * 100)
+@pytest.mark.parametrize("reduction,schedule", [("mean", None), ("mean", False), ("none", None)])
+def test_gpu_fused_head_matches_float64(reduction, schedule, monkeypatch):
+    monkeypatch.setattr(LCE, "CHUNK_BYTES", 2 * 1000 * 128)  # 128-token chunks: 5 for 520 tokens
+    monkeypatch.setattr(LCE, "GRAD_IN_FORWARD", schedule)
     torch.manual_seed(0)
     seq = fo.Sequential(fo.Linear(256, 1000, bias=False, device="cuda", dtype=torch.bfloat16),
                         fo.CrossEntropy(reduction=reduction, z_loss_coeff=1e-4))
@@ -242,7 +286,7 @@ def test_fused_head_property_against_float64(T, d, vocab, chunk, reduction, smoo
     t = torch.randint(0, vocab, (T,), generator=g)
     t[: min(ignored, T)] = -100
     dy = torch.randn(T, generator=g) if reduction == "none" else torch.tensor(0.7)
-    old, LCE.CHUNK_BYTES = LCE.CHUNK_BYTES, 8 * vocab * chunk
+    old, LCE.CHUNK_BYTES = LCE.CHUNK_BYTES, 4 * vocab * chunk
     try:
         assert [r["rule"] for r in seq.fusion_plan("forward", x, t)] == ["linear_cross_entropy"]
         loss = seq(x, t)

@@ -1,8 +1,10 @@
 """Harness case ``lm_head``: a language model's head, ``Linear(d, V, bias=False) -> CrossEntropy``
 (rule ``linear_cross_entropy``: chunked, no ``[T, V]`` logits) at T=16384, d=4096, V=128256, bf16.
 
-Peers: eager ``F.cross_entropy(F.linear(x, W).float(), t)``, its ``torch.compile``, and
-Liger-Kernel's fused linear cross-entropy (``liger``) where importable. Work: the three GEMMs of
+Variants: ``fused`` (the default schedule: gradients in forward, 3 GEMMs), ``fused_recompute``
+(logits recomputed in backward, 4 GEMMs), ``fp8_current`` (the default schedule under
+Float8CurrentScaling). Peers: eager ``F.cross_entropy(F.linear(x, W).float(), t)``, its
+``torch.compile``, and Liger-Kernel's fused linear cross-entropy (``liger``) where importable. Work: the three GEMMs of
 the unfused step (``6 T d V`` FLOPs), against the bf16 matmul ceiling. Rows are checked against the
 eager composition (fp32 logits).
 """
@@ -16,7 +18,8 @@ import torch.nn.functional as F
 
 import fusible_ops as fo
 
-from .cases import CASES, Bench, BenchContext, Case, _init_, _shape, _with_compile, liger
+from ..fusion_rules import linear_ce
+from .cases import CASES, FP8_REL_ERR, Bench, BenchContext, Case, _init_, _shape, _with_compile, fp8_variants, liger
 
 
 def lm_head(ctx: BenchContext) -> Iterator[Bench]:
@@ -33,7 +36,16 @@ def lm_head(ctx: BenchContext) -> Iterator[Bench]:
         t = torch.randint(0, V, (T,), device=ctx.device, generator=g)
         return (ctx.randn(T, d, requires_grad=True), t), torch.ones((), device=ctx.device)
 
-    variants = _with_compile(ctx, {"fused": lambda x, t: seq(x, t), "eager": eager}, eager)
+    def recompute(x, t):  # (the schedule is chosen in forward; backward follows what forward saved)
+        old, linear_ce.GRAD_IN_FORWARD = linear_ce.GRAD_IN_FORWARD, False
+        try:
+            return seq(x, t)
+        finally:
+            linear_ce.GRAD_IN_FORWARD = old
+
+    variants = _with_compile(ctx, {"fused": lambda x, t: seq(x, t), "fused_recompute": recompute, "eager": eager},
+                             eager)
+    variants.update({k: v for k, v in fp8_variants(ctx, seq).items() if k == "fp8_current"})
     lf = liger(ctx, "LigerFusedLinearCrossEntropyFunction")
     if lf is not None:
         variants["liger"] = lambda x, t: lf.apply(x, w, t)[0]
@@ -41,7 +53,9 @@ def lm_head(ctx: BenchContext) -> Iterator[Bench]:
         case="lm_head", config="", shape=_shape(T, d, V), dtype=ctx.dtype, metric="flops",
         work=6.0 * T * d * V, new_copy=new_copy, params=[w], variants=variants,
         fused_module=seq, plan_args=lambda inp: inp, expected_rules=("linear_cross_entropy",),
-        notes={"fused": "linear_cross_entropy: chunks of tokens, logits recomputed in backward (4 GEMMs)"},
+        tolerances={"fp8_current": FP8_REL_ERR},
+        notes={"fused": "linear_cross_entropy: chunks of tokens, gradients in forward (3 GEMMs)",
+               "fused_recompute": "linear_cross_entropy: logits recomputed in backward (4 GEMMs)"},
     )
 
 

@@ -3,59 +3,82 @@
 
 The ``[T, V]`` logits are the largest activation of a language model (T=16384 tokens, V=128256:
 4 GB in bf16, 8 GB for their fp32 gradient). The fused op works through the tokens in chunks of
-:func:`chunk_rows` rows, so no ``[T, V]`` tensor is ever made or kept:
+:func:`chunk_rows` rows, so no ``[T, V]`` tensor is ever made or kept. Per chunk: ``logits = x_c @
+W.T`` (one GEMM in x's dtype), then one Triton kernel (:mod:`fusible_ops.kernels.cross_entropy`)
+gives the rows' loss and logsumexp in float32 and, where the gradient is made then, writes the
+logits' gradient over the logits (one chunk buffer). ``dx_c = dlogits @ W`` and ``dW += dlogits.T @
+x_c`` follow (``addmm_`` into the gradient buffer: fp32 accumulation in the GEMM, one rounding per
+chunk). Two schedules:
 
-* forward, per chunk: ``logits = x_c @ W.T`` (one GEMM in x's dtype), then the rows' loss and
-  logsumexp in float32 (:func:`fusible_ops.ops.loss.ce_rows`). It keeps x, W, the targets and the
-  logsumexp (fp32 [T]).
-* backward, per chunk: the logits again (one GEMM), their gradient in float32
-  (:func:`~fusible_ops.ops.loss.ce_grad`, scaled by the loss's gradient) cast to x's dtype, then
-  ``dx_c = dlogits @ W`` and ``dW += dlogits.T @ x_c`` (an ``addmm_`` into the gradient itself:
-  the GEMM accumulates in fp32, one rounding per chunk; into an fp32 ``main_grad`` in row blocks),
-  so the head's backward holds no ``[V, d]`` buffer beyond the gradient it returns.
+* **gradients in forward** (the default when the loss is reduced, ``"mean"`` or ``"sum"``, and the
+  weight gradient is not delayed): three GEMMs per chunk, all in the forward pass, for a loss
+  gradient of 1; backward scales dx and dW by the loss's actual gradient (in place). It keeps dx
+  (``[T, d]``) and dW (``[V, d]``, W's dtype) from forward to backward, and neither x nor W.
+  Backward may run once: a second one through the same forward (``retain_graph``) gets autograd's
+  error that a saved tensor was modified in place.
+* **logits recomputed in backward** (``reduction="none"``, whose per-row gradient is unknown in
+  forward; delayed weight gradients, whose GEMM must wait for ``backward_dw()``): forward runs one
+  GEMM per chunk and keeps x, W, the targets and the logsumexp (fp32 ``[T]``); backward runs the
+  logits GEMM again, so four GEMMs per chunk in all.
 
-So a step runs four GEMMs where the unfused ops run three; the recomputation is what keeps the
-gradient contract whole: the weight gradient goes through
-:func:`~fusible_ops.grad.deliver_weight_grad` (``main_grad`` accumulation in fp32, a frozen head
-runs no weight-gradient GEMM, and with delayed weight gradients the chunks are recomputed once more
-when ``backward_dw()`` runs). A weight tied to an embedding gets both gradients, as unfused.
+:data:`GRAD_IN_FORWARD` forces either (the benchmark times both). Either way the weight gradient goes
+through :func:`~fusible_ops.grad.deliver_weight_grad` (``main_grad`` accumulation; a frozen head
+runs no weight-gradient GEMM; delayed weight gradients), and a weight tied to an embedding gets both
+gradients, as unfused.
 
-Chunk size: :data:`CHUNK_BYTES` (the fp32 logits and their gradient of one chunk) over ``8 * V``
-bytes per row. ``explain()`` shows it. The math is torch's ops on every device (CPU included:
-the CPU tests prove the memory behaviour); there is no Triton kernel for the loss pass yet.
+Chunk size: :data:`CHUNK_BYTES` of logits in x's dtype (the kernel writes the gradient over them),
+rounded down to a multiple of 128 rows. ``explain()`` shows the chunking and the schedule. On CPU the
+same chunking runs with the kernels' torch twins (the CPU tests prove the memory behaviour).
 
 Under :class:`~fusible_ops.Float8CurrentScaling` the GEMMs run in FP8: x quantized once per call
 (both layouts when W's gradient is needed), W from the weight cache, each chunk's logits gradient
 quantized once (E5M2 under "hybrid") for its dx and dW GEMMs; chunks are then a multiple of 16 tokens
-(the FP8 dims), and each chunk's dW adds through one ``[V, d]`` temporary. Declines under the other
-recipes (delayed scaling would update its history once per chunk; block scaling is not built).
+(the FP8 dims). Declines under the other recipes (delayed scaling would update its history once per
+chunk; block scaling is not built).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from ..grad import deliver_weight_grad
+from ..grad import deliver_weight_grad, scheduler_active
+from ..kernels.cross_entropy import ce_grad_, ce_loss, ce_loss_grad_
 from ..kernels.fp8_gemm import fp8_gemm
 from ..op import FusedOperation
 from ..ops.fp8_linear import check_dims
 from ..ops.linear import BasicLinear
-from ..ops.loss import CrossEntropy, ce_grad, ce_rows, reduce_rows, row_scale
+from ..ops.loss import CrossEntropy, reduce_rows, row_scale
 from ..ops.validation import check_input
 from ..quantization.casting import cached_weight, quantize
 from ..quantization.recipes import Float8CurrentScaling, current_recipe
 from ..quantization.tensor import Float8Tensor
 from ..rules import rule
 
-CHUNK_BYTES = 512 << 20
-"""Memory target of one chunk: its fp32 logits and their fp32 gradient (``8 * V`` bytes per row)."""
+CHUNK_BYTES = 128 << 20
+"""Memory target of one chunk: its logits in x's dtype (``V * x.element_size()`` bytes per row)."""
+
+GRAD_IN_FORWARD: Optional[bool] = None
+"""None (default): gradients in forward where the schedule allows (see the module docstring);
+False: always recompute the logits in backward; True: in forward wherever allowed."""
 
 
-def chunk_rows(vocab: int, rows: int, fp8: bool = False) -> int:
-    """Rows per chunk for ``rows`` tokens and ``vocab`` classes (at least 1, at most ``rows``; under
-    FP8 a multiple of 16, the weight gradient's reduction dim)."""
-    step = max(1, min(rows, CHUNK_BYTES // (8 * vocab)))
+def chunk_rows(vocab: int, rows: int, elem_bytes: int = 2, fp8: bool = False) -> int:
+    """Rows per chunk for ``rows`` tokens and ``vocab`` classes of ``elem_bytes`` each (at least 1,
+    at most ``rows``; a multiple of 128 when at least 128 and fewer than ``rows``; under FP8 a
+    multiple of 16, the weight gradient's reduction dim)."""
+    step = max(1, min(rows, CHUNK_BYTES // (elem_bytes * max(vocab, 1))))
+    if 128 <= step < rows:
+        step = step // 128 * 128
     return max(16, step // 16 * 16) if fp8 else step
+
+
+def grad_in_forward(lin: BasicLinear, ce: CrossEntropy) -> bool:
+    """Whether the head computes its gradients in forward (see the module docstring)."""
+    if ce.reduction == "none" or lin.delay_wgrad_compute or scheduler_active():
+        return False
+    return GRAD_IN_FORWARD is not False
 
 
 class LinearCrossEntropy(FusedOperation):
@@ -67,14 +90,15 @@ class LinearCrossEntropy(FusedOperation):
         self._no_extras = [(), ()]
 
     def explain_note(self, x: torch.Tensor) -> str:
-        """The chunking for an input like ``x`` (explain() appends it to the plan line)."""
-        lin = self.basic_ops[0]
+        """The chunking and schedule for an input like ``x`` (explain() appends it to the plan line)."""
+        lin, ce = self.basic_ops
         rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
         fp8 = current_recipe() is not None
-        step = chunk_rows(lin.out_features, rows, fp8=fp8)
+        step = chunk_rows(lin.out_features, rows, x.element_size(), fp8=fp8)
+        when = ("gradients in forward (3 GEMMs)" if grad_in_forward(lin, ce)
+                else "logits recomputed in backward (4 GEMMs)")
         return (f"{-(-rows // step) if rows else 0} chunk(s) of {step} token(s), no [{rows}, {lin.out_features}] "
-                f"logits (logits recomputed in backward)" + ("; FP8 GEMMs, each chunk's logits gradient cast once"
-                                                             if fp8 else ""))
+                f"logits; {when}" + ("; FP8 GEMMs, each chunk's logits gradient cast once" if fp8 else ""))
 
     def fuser_forward(self, ctxs, x, *, extra_inputs, **kwargs):
         lin, ce = self.basic_ops
@@ -88,7 +112,9 @@ class LinearCrossEntropy(FusedOperation):
             x = x.dequantize()
         x2 = x.reshape(-1, lin.in_features)
         n = x2.shape[0]
+        xg = lctx.requires_grad and lctx.input_requires_grad
         wg = lctx.requires_grad and lctx.weight_requires_grad and w.requires_grad
+        early = (xg or wg) and grad_in_forward(lin, ce)
         recipe = current_recipe()
         if recipe is None:
             gemms = _HighPrecision(x2, w)
@@ -96,38 +122,57 @@ class LinearCrossEntropy(FusedOperation):
             check_dims(lin, recipe, n, vocab, lin.in_features, wg)
             owner = lin.param_owner("weight")
             xq = quantize(x2, recipe, "input", transposed=wg, owner=owner)
-            wq = cached_weight(owner, w, recipe, transposed=lctx.requires_grad and lctx.input_requires_grad)
+            wq = cached_weight(owner, w, recipe, transposed=xg)
             gemms = _Fp8(recipe, x2.dtype, xq.rowwise, xq.colwise, wq.rowwise, wq.colwise)
-        step = chunk_rows(vocab, n, fp8=recipe is not None)
+        step = chunk_rows(vocab, n, x2.element_size(), fp8=recipe is not None)
         rows = torch.empty(n, dtype=torch.float32, device=x.device)
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         opts = ce.options()
-        for s in range(0, n, step):
-            rows[s:s + step], lse[s:s + step] = ce_rows(gemms.logits(s, s + step), t[s:s + step], *opts)
+        if early:
+            g = row_scale(torch.ones((), device=x.device), t, ce.ignore_index, ce.reduction)
+            dx = torch.empty(n, lin.in_features, dtype=x2.dtype, device=x.device) if xg else None
+            dw = torch.zeros(w.shape, dtype=w.dtype, device=w.device) if wg else None
+            for s in range(0, n, step):
+                z = gemms.logits(s, s + step)
+                rows[s:s + step], lse[s:s + step] = ce_loss_grad_(z, t[s:s + step], g[s:s + step], opts)
+                d = gemms.prepare(z)
+                if xg:
+                    gemms.dx(d, dx[s:s + step])
+                if wg:
+                    gemms.add_wgrad(dw, d, s, s + step)
+        else:
+            for s in range(0, n, step):
+                rows[s:s + step], lse[s:s + step] = ce_loss(gemms.logits(s, s + step), t[s:s + step], opts)
         loss = reduce_rows(rows, t, ce.ignore_index, ce.reduction, targets.shape)
         if lctx.requires_grad:
             lctx.weight_grad = wg
-            lctx.fp8 = gemms.state()  # (non-tensor state; the tensors go through save_for_backward)
-            lctx.save_for_backward(t, lse, *gemms.tensors())
             lctx.input_shape = x.shape
+            lctx.step = step
+            lctx.early = early
+            if early:
+                lctx.save_for_backward(dx, dw)
+            else:
+                lctx.fp8 = gemms.state()  # (non-tensor state; the tensors go through save_for_backward)
+                lctx.save_for_backward(t, lse, *gemms.tensors())
         return loss, self._no_extras
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
-        lin, ce = self.basic_ops
         lctx = ctxs[0]
+        if lctx.early:
+            return self._scale_early(lctx, dy)
+        lin, ce = self.basic_ops
         t, lse, *tensors = lctx.saved_tensors
         gemms = _HighPrecision(*tensors) if lctx.fp8 is None else _Fp8.from_saved(lctx.fp8, tensors)
         w = lin.weight
         g = row_scale(dy, t, ce.ignore_index, ce.reduction)
         opts = ce.options()
-        n = t.shape[0]
-        step = chunk_rows(lin.out_features, n, fp8=lctx.fp8 is not None)
+        n, step = t.shape[0], lctx.step
         dx = torch.empty(n, lin.in_features, dtype=gemms.dtype, device=t.device) if lctx.input_requires_grad else None
         pending_dx = [dx is not None]  # (filled by the first pass over the chunks, whichever it is)
 
         def dlogits(s: int):  # the chunk's logits gradient as its two GEMMs read it
-            d = ce_grad(gemms.logits(s, s + step), t[s:s + step], lse[s:s + step], g[s:s + step], *opts)
-            return gemms.prepare(d.to(gemms.dtype))
+            d = ce_grad_(gemms.logits(s, s + step), t[s:s + step], lse[s:s + step], g[s:s + step], opts)
+            return gemms.prepare(d)
 
         def compute(out, acc):  # the weight gradient (and dx, when this is the first pass)
             dw = torch.zeros_like(w) if out is None else (out if acc else out.zero_())
@@ -147,6 +192,23 @@ class LinearCrossEntropy(FusedOperation):
         if dx is not None:
             dx = dx.reshape(lctx.input_shape)
         return dx, [(dw,), ()], [(), (None,)]
+
+    def _scale_early(self, lctx, dy):
+        """Backward of the gradients-in-forward schedule: dx and dW (made for a loss gradient of 1)
+        scaled in place by the loss's gradient ``dy`` (a scalar: the loss is reduced). They are saved
+        tensors, so a second backward through the same forward gets autograd's error that a saved
+        tensor was modified in place, never a gradient scaled twice."""
+        lin = self.basic_ops[0]
+        dx, dw = lctx.saved_tensors
+        if dx is not None:
+            dx = dx.mul_(dy).reshape(lctx.input_shape)
+
+        def compute(out, acc):
+            dw.mul_(dy)
+            return dw if out is None else out.add_(dw) if acc else out.copy_(dw)
+
+        dwg = deliver_weight_grad(lin, lin.weight, compute) if lctx.weight_grad else None
+        return dx, [(dwg,), ()], [(), (None,)]
 
 
 class _HighPrecision:
@@ -232,4 +294,4 @@ RULES = [  # the built-in rules of this family (installed by fusible_ops/__init_
     rule("linear_cross_entropy", [BasicLinear, CrossEntropy], pass_="joint", build=LinearCrossEntropy, check=_check),
 ]
 
-__all__ = ["CHUNK_BYTES", "LinearCrossEntropy", "RULES", "chunk_rows"]
+__all__ = ["CHUNK_BYTES", "GRAD_IN_FORWARD", "LinearCrossEntropy", "RULES", "chunk_rows", "grad_in_forward"]

@@ -1,8 +1,10 @@
 """Losses: CrossEntropy (a language model's loss over logits [..., V]).
 
-The per-row math (:func:`ce_rows`) is shared with the fused ``linear_cross_entropy`` op
-(:mod:`fusible_ops.fusion_rules.linear_ce`), which runs it on chunks of tokens. Everything is
-computed in float32 whatever the logits' dtype; the input gradient comes back in the logits' dtype.
+The per-row math is one Triton kernel family (:mod:`fusible_ops.kernels.cross_entropy`: loss and
+logsumexp in one pass over V, the gradient in a second), shared with the fused
+``linear_cross_entropy`` op (:mod:`fusible_ops.fusion_rules.linear_ce`), which runs it on chunks of
+tokens. Everything is computed in float32 whatever the logits' dtype; the input gradient comes back
+in the logits' dtype.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels.cross_entropy import ce_grad_rows, ce_loss
 from ..op import BasicOperation
 from .validation import check_input
 
@@ -74,7 +77,7 @@ class CrossEntropy(BasicOperation):
         return cls(), None
 
     def options(self) -> tuple:
-        """``(ignore_index, label_smoothing, z_loss_coeff, logit_softcap)`` for :func:`ce_rows`."""
+        """``(ignore_index, label_smoothing, z_loss_coeff, logit_softcap)`` for the kernels of :mod:`fusible_ops.kernels.cross_entropy`."""
         return self.ignore_index, self.label_smoothing, self.z_loss_coeff, self.logit_softcap
 
     def check_targets(self, logits_shape, vocab: int, targets, device) -> torch.Tensor:
@@ -111,7 +114,7 @@ class CrossEntropy(BasicOperation):
         vocab = x.shape[-1]
         t = self.check_targets(x.shape, vocab, targets, x.device)
         z = x.reshape(-1, vocab)
-        rows, lse = ce_rows(z, t, *self.options())
+        rows, lse = ce_loss(z, t, self.options())
         if ctx.requires_grad and ctx.input_requires_grad:
             ctx.save_for_backward(z, t, lse)
             ctx.logits_shape = x.shape
@@ -123,54 +126,15 @@ class CrossEntropy(BasicOperation):
             return None, [()], [(None,)]
         z, t, lse = ctx.saved_tensors
         g = row_scale(dy, t, self.ignore_index, self.reduction)
-        dz = ce_grad(z, t, lse, g, *self.options())
-        return dz.to(z.dtype).reshape(ctx.logits_shape), [()], [(None,)]
+        dz = ce_grad_rows(z, t, lse, g, self.options())
+        return dz.reshape(ctx.logits_shape), [()], [(None,)]
 
     def reference_forward(self, x, targets):
         return cross_entropy_ref(x, targets, self.ignore_index, self.reduction, self.label_smoothing,
                                  self.z_loss_coeff, self.logit_softcap)
 
 
-# ---- the row math (float32), shared with the fused linear + cross-entropy
-
-
-def _softcap(z: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
-    return z if cap is None else cap * torch.tanh(z / cap)
-
-
-def ce_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float,
-            z_loss_coeff: float, logit_softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss (fp32 [rows], 0 for ignored rows) and logsumexp (fp32 [rows], of the
-    soft-capped logits) of ``logits`` [rows, V] against ``targets`` [rows]."""
-    z = _softcap(logits.float(), logit_softcap)
-    lse = torch.logsumexp(z, dim=-1)
-    valid = targets != ignore_index
-    zt = z.gather(1, torch.where(valid, targets, 0).unsqueeze(1)).squeeze(1)
-    loss = lse - zt
-    if label_smoothing:
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - z.mean(dim=-1))
-    if z_loss_coeff:
-        loss = loss + z_loss_coeff * lse * lse
-    return torch.where(valid, loss, 0.0), lse
-
-
-def ce_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, ignore_index: int,
-            label_smoothing: float, z_loss_coeff: float, logit_softcap: Optional[float]) -> torch.Tensor:
-    """fp32 gradient of ``sum(g * rows)`` w.r.t. ``logits`` [rows, V] (``rows`` of :func:`ce_rows`;
-    ``g`` fp32 [rows], already 0 on ignored rows)."""
-    z = _softcap(logits.float(), logit_softcap)
-    p = torch.exp(z - lse.unsqueeze(1))
-    scale = 1.0 + 2.0 * z_loss_coeff * lse if z_loss_coeff else None
-    d = p * scale.unsqueeze(1) if scale is not None else p
-    if label_smoothing:
-        d = d - label_smoothing / z.shape[-1]
-    valid = targets != ignore_index
-    d.scatter_add_(1, torch.where(valid, targets, 0).unsqueeze(1),
-                   torch.full((z.shape[0], 1), -(1.0 - label_smoothing), device=z.device))
-    d = d * g.unsqueeze(1)
-    if logit_softcap is not None:
-        d = d * (1.0 - (z / logit_softcap) ** 2)
-    return d
+# ---- reductions over the rows (shared with the fused linear + cross-entropy)
 
 
 def reduce_rows(rows: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str, shape) -> torch.Tensor:
@@ -202,7 +166,8 @@ def cross_entropy_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_index:
     """Reference: ``F.cross_entropy`` on the (soft-capped) logits in float32 (float64 stays), plus the
     z-loss over the non-ignored rows."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    z = _softcap(z, logit_softcap)
+    if logit_softcap is not None:
+        z = logit_softcap * torch.tanh(z / logit_softcap)
     flat, t = z.reshape(-1, z.shape[-1]), targets.reshape(-1)
     loss = torch.nn.functional.cross_entropy(flat, t, ignore_index=ignore_index, reduction="none",
                                              label_smoothing=label_smoothing)
@@ -216,4 +181,4 @@ def cross_entropy_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_index:
     return loss.sum() / n if n > 0 else loss.sum() * math.nan
 
 
-__all__ = ["CrossEntropy", "ce_grad", "ce_rows", "cross_entropy_ref", "reduce_rows", "row_scale"]
+__all__ = ["CrossEntropy", "cross_entropy_ref", "reduce_rows", "row_scale"]
