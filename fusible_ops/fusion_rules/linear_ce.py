@@ -140,6 +140,7 @@ class LinearCrossEntropy(FusedOperation):
                     gemms.dx(d, dx[s:s + step])
                 if wg:
                     gemms.add_wgrad(dw, d, s, s + step)
+                del z, d  # (before the next chunk's logits: one chunk buffer at a time)
         else:
             for s in range(0, n, step):
                 rows[s:s + step], lse[s:s + step] = ce_loss(gemms.logits(s, s + step), t[s:s + step], opts)
@@ -181,6 +182,7 @@ class LinearCrossEntropy(FusedOperation):
                 if pending_dx[0]:
                     gemms.dx(d, dx[s:s + step])
                 gemms.add_wgrad(dw, d, s, s + step)
+                del d  # (one chunk buffer at a time)
             pending_dx[0] = False
             return dw
 

@@ -38,7 +38,7 @@ def _expected(x, t, gs, opts):
     ignore_index, eps, zl, cap = opts
     z = x.detach().double().cpu().requires_grad_()
     zc = z if cap is None else cap * torch.tanh(z / cap)
-    tc = t.cpu()
+    tc = t.cpu().long()
     loss = F.cross_entropy(zc, tc, ignore_index=ignore_index, reduction="none", label_smoothing=eps)
     lse = torch.logsumexp(zc, -1)
     loss = loss + torch.where(tc != ignore_index, zl * lse * lse, 0.0)
