@@ -177,6 +177,24 @@ def graphed(ctx: BenchContext, module, args: Callable[[tuple], tuple], recipe=No
     return {"graphed" if recipe is None else "graphed_fp8": Lazy(make)}
 
 
+def unfused(ctx: BenchContext, call: Callable, fp8: bool = False) -> dict:
+    """``{"unfused": ...}``: ``call`` with every built-in fusion rule disabled (the plan the fuser's
+    fused plans must not lose to); with ``fp8``, also ``fp8_unfused`` under Float8CurrentScaling
+    where the FP8 variants run."""
+    names = fo.RuleSet.builtin().names()
+
+    def plain(*inputs):
+        with fo.fusion_rules.disabled(*names):
+            return call(*inputs)
+    out = {"unfused": plain}
+    if fp8 and "fp8_current" in fp8_variants(ctx, call):
+        def plain_fp8(*inputs):
+            with fo.autocast(recipe=fo.Float8CurrentScaling()), fo.fusion_rules.disabled(*names):
+                return call(*inputs)
+        out["fp8_unfused"] = plain_fp8
+    return out
+
+
 def tuned(ctx: BenchContext, module, args: Callable[[tuple], tuple], out: Callable = lambda y: y) -> dict:
     """``{"tuned": ...}``: a copy of ``module`` sharing its parameters (the case checks their
     gradients), its plans tuned by :func:`fusible_ops.tune` on clones of the first input copy when
@@ -420,7 +438,8 @@ def _mlp(ctx: BenchContext, gated: bool) -> Iterator[Bench]:
         dtype=ctx.dtype, metric="flops", work=3 * fwd_flops, new_copy=new_copy,
         params=[wn, w1, b1, w2, b2],
         variants=_with_compile(ctx, {"fused": lambda x: seq(x, x), "eager": eager, **fp8_variants(ctx, lambda x: seq(x, x)),
-                                     **tuned(ctx, seq, lambda inp: (inp[0], inp[0]))}, eager),
+                                     **tuned(ctx, seq, lambda inp: (inp[0], inp[0])),
+                                     **unfused(ctx, lambda x: seq(x, x))}, eager),
         fused_module=seq, plan_args=lambda inp: (inp[0], inp[0]),
         expected_rules=("linear_bias_activation", "activation_bias_backward"),
         tolerances=dict.fromkeys(("fp8_current", "fp8_delayed", "fp8_block"), FP8_REL_ERR),
@@ -531,12 +550,13 @@ def _grouped(ctx: BenchContext, name: str, E: int, T: int, H: int, Fd: int) -> I
         variants.update(graphed(ctx, seq, mlp_args))
         variants.update(graphed(ctx, seq, mlp_args, recipe=fo.Float8CurrentScaling()) if "fp8_current" in variants else {})
         variants.update(tuned(ctx, seq, mlp_args))
+        variants.update(unfused(ctx, fused, fp8=True))
         fwd_flops = 2 * T * H * 2 * Fd + 2 * T * Fd * H
         bench = Bench(
             case=name, config=routing, shape=f"E={E} T={T} H={H} F={Fd}", dtype=ctx.dtype, metric="flops",
             work=3 * fwd_flops, new_copy=new_copy, params=[w1, w2], variants=variants, fused_module=seq,
             plan_args=mlp_args, expected_rules=(),
-            baseline="eager_loop", tolerances=dict.fromkeys(("fp8_current", "fp8_delayed", "fp8_block", "graphed_fp8"),
+            baseline="eager_loop", tolerances=dict.fromkeys(("fp8_current", "fp8_delayed", "fp8_block", "graphed_fp8", "fp8_unfused"),
                                                             FP8_REL_ERR),
             notes={"eager_loop": "per-expert F.linear loop; split sizes known on the host (no sync timed)",
                    "compile_loop": "torch.compile(dynamic=False) of the loop, split sizes baked in"},

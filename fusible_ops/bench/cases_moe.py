@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import fusible_ops as fo
 
-from .cases import CASES, FP8_REL_ERR, Bench, BenchContext, Case, _with_compile, graphed, tuned
+from .cases import CASES, FP8_REL_ERR, Bench, BenchContext, Case, _with_compile, graphed, tuned, unfused
 
 SHAPES = [(24576, 1536, 256, 128, 8), (32768, 2048, 768, 128, 8), (16384, 4096, 14336, 8, 2)]
 """(tokens, hidden, expert ffn, experts, top_k): a fine-grained, a Qwen3-30B-A3B-like and a
@@ -65,7 +65,6 @@ def composition(seq: fo.Sequential, k: int):
 
 
 def moe_layer(ctx: BenchContext) -> Iterator[Bench]:
-    all_rules = fo.RuleSet.builtin().names()
     for T, H, Fd, E, k in SHAPES:
         T, H, Fd = ctx.size(T, 32), ctx.size(H, 32), ctx.size(Fd, 32)
         seq = moe_sequential(H, Fd, E, k, device=ctx.device, dtype=ctx.dtype)
@@ -73,16 +72,12 @@ def moe_layer(ctx: BenchContext) -> Iterator[Bench]:
         def fused(x, seq=seq):
             return seq(x)[0]
 
-        def unfused(x, seq=seq):
-            with fo.fusion_rules.disabled(*all_rules):
-                return seq(x)[0]
-
         def fp8_current(x, seq=seq):
             with fo.autocast(recipe=fo.Float8CurrentScaling()):
                 return seq(x)[0]
 
         eager = composition(seq, k)
-        variants = {"fused": fused, "unfused": unfused, "fp8_current": fp8_current, "eager": eager}
+        variants = {"fused": fused, **unfused(ctx, fused, fp8=True), "fp8_current": fp8_current, "eager": eager}
         _with_compile(ctx, variants, eager)
         variants.update(graphed(ctx, seq, lambda inp: inp))
         variants.update(tuned(ctx, seq, lambda inp: inp, out=lambda y: y[0]))
@@ -95,12 +90,12 @@ def moe_layer(ctx: BenchContext) -> Iterator[Bench]:
             metric="flops", work=18 * T * k * H * Fd, new_copy=new_copy,
             params=[seq[0].weight, seq[2].weight, seq[4].weight], variants=variants, fused_module=seq,
             plan_args=lambda inp: (inp[0],), expected_rules=("moe_dispatch_mlp",),
-            tolerances={"fp8_current": FP8_REL_ERR},
+            tolerances={"fp8_current": FP8_REL_ERR, "fp8_unfused": FP8_REL_ERR},
             notes={"eager": "plain-PyTorch composition (torch._grouped_mm)", "unfused": "every fusion rule disabled",
                    "graphed": "fo.make_graphed_callables (includes copying x into the static input)",
                    "tuned": "plans chosen by fo.tune on the first input copy (prefer='speed')"},
         )
-        del seq, variants, eager, fused, unfused, fp8_current, new_copy
+        del seq, variants, eager, fused, fp8_current, new_copy
 
 
 CASES.update({  # (registered into the harness's catalogue when fusible_ops.bench is imported)
