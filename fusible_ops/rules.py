@@ -67,7 +67,9 @@ class FusionContext:
 
 
 COST_HINTS = "cost hints"
-"""The name under which a tuned choice leaves the rules' cost hints out (fusible_ops.tuning)."""
+"""The name under which a tuned choice leaves the rules' cost hints out (fusible_ops.tuning);
+``fusion_rules.disabled("cost hints")`` makes the static plan ignore them too."""
+_known_names.add(COST_HINTS)
 
 
 @dataclasses.dataclass(frozen=True)

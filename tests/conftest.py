@@ -44,6 +44,19 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)
+def _fused_plans(request):
+    """The rules' cost hints (speed choices measured on one GPU) are off unless a test is marked
+    ``cost_hints``: the other tests exercise the fused ops whatever the hints prefer."""
+    if request.node.get_closest_marker("cost_hints") is not None:
+        yield
+        return
+    import fusible_ops as fo
+
+    with fo.fusion_rules.disabled("cost hints"):
+        yield
+
+
+@pytest.fixture(autouse=True)
 def _fresh_launch_geometry():
     """Tests change tiling constants (monkeypatch): no launch geometry outlives a test."""
     from fusible_ops.kernels.launch import clear_geometry_caches

@@ -219,6 +219,7 @@ def test_tuned_moe_layer_on_cuda_matches_the_static_plan():
         assert_close_norm(p.grad, q.grad)
 
 
+@pytest.mark.cost_hints
 def test_a_cost_hint_declines_statically_and_tuning_can_take_the_rule_back():
     """A rule's cost hint: the static plan declines where the hint says the fusion loses
     (explain() says so); tuning times the plan without the hints too and keeps it when faster."""

@@ -178,20 +178,28 @@ def graphed(ctx: BenchContext, module, args: Callable[[tuple], tuple], recipe=No
 
 
 def unfused(ctx: BenchContext, call: Callable, fp8: bool = False) -> dict:
-    """``{"unfused": ...}``: ``call`` with every built-in fusion rule disabled (the plan the fuser's
-    fused plans must not lose to); with ``fp8``, also ``fp8_unfused`` under Float8CurrentScaling
-    where the FP8 variants run."""
+    """``{"unfused": ..., "no_hints": ...}``: ``call`` with every built-in fusion rule disabled (the
+    plan the fuser's fused plans must not lose to), and with the rules' cost hints ignored (the
+    fused plan where a hint declines it); with ``fp8``, also ``fp8_unfused`` and ``fp8_no_hints``
+    under Float8CurrentScaling where the FP8 variants run."""
     names = fo.RuleSet.builtin().names()
 
     def plain(*inputs):
         with fo.fusion_rules.disabled(*names):
             return call(*inputs)
-    out = {"unfused": plain}
+    def no_hints(*inputs):
+        with fo.fusion_rules.disabled("cost hints"):
+            return call(*inputs)
+    out = {"unfused": plain, "no_hints": no_hints}
     if fp8 and "fp8_current" in fp8_variants(ctx, call):
         def plain_fp8(*inputs):
             with fo.autocast(recipe=fo.Float8CurrentScaling()), fo.fusion_rules.disabled(*names):
                 return call(*inputs)
-        out["fp8_unfused"] = plain_fp8
+
+        def no_hints_fp8(*inputs):
+            with fo.autocast(recipe=fo.Float8CurrentScaling()), fo.fusion_rules.disabled("cost hints"):
+                return call(*inputs)
+        out.update(fp8_unfused=plain_fp8, fp8_no_hints=no_hints_fp8)
     return out
 
 
@@ -556,7 +564,8 @@ def _grouped(ctx: BenchContext, name: str, E: int, T: int, H: int, Fd: int) -> I
             case=name, config=routing, shape=f"E={E} T={T} H={H} F={Fd}", dtype=ctx.dtype, metric="flops",
             work=3 * fwd_flops, new_copy=new_copy, params=[w1, w2], variants=variants, fused_module=seq,
             plan_args=mlp_args, expected_rules=(),
-            baseline="eager_loop", tolerances=dict.fromkeys(("fp8_current", "fp8_delayed", "fp8_block", "graphed_fp8", "fp8_unfused"),
+            baseline="eager_loop", tolerances=dict.fromkeys(("fp8_current", "fp8_delayed", "fp8_block", "graphed_fp8",
+                                                            "fp8_unfused", "fp8_no_hints"),
                                                             FP8_REL_ERR),
             notes={"eager_loop": "per-expert F.linear loop; split sizes known on the host (no sync timed)",
                    "compile_loop": "torch.compile(dynamic=False) of the loop, split sizes baked in"},

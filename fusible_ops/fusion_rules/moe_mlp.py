@@ -28,7 +28,7 @@ from ..ops.activation import GEGLU, ScaledSwiGLU, SwiGLU
 from ..ops.grouped_linear import GroupedLinear
 from ..ops.moe import Dispatch
 from ..rules import match, rule
-from .grouped_mlp import FusedGroupedMLP, check_grouped_mlp
+from .grouped_mlp import FusedGroupedMLP, check_grouped_mlp, grouped_glu_cost
 
 
 class DispatchGroupedMLP(FusedOperation):
@@ -59,5 +59,5 @@ def _check(ops, ctx):
 
 RULES = [  # the built-in rules of this family (installed by fusible_ops/__init__.py)
     rule("moe_dispatch_mlp", [Dispatch, GroupedLinear, match((SwiGLU, GEGLU, ScaledSwiGLU)), GroupedLinear],
-         pass_="joint", build=DispatchGroupedMLP, check=_check),
+         pass_="joint", build=DispatchGroupedMLP, check=_check, cost=grouped_glu_cost),
 ]
