@@ -258,7 +258,7 @@ class OperationFuser:
             recipe=current_recipe(),
             requires_grad=requires_grad,
             training=any(op.training for op in ops),
-            cost_hints=COST_HINTS not in off,
+            cost_hints=COST_HINTS not in off and COST_HINTS not in disabled_key(),
         )
         joint, joint_declines = [], []
         if requires_grad:

@@ -30,6 +30,19 @@ def test_grouped_glu_cost_declines_what_was_measured_slower():
     assert grouped_glu_cost(_ops(256), _ctx(requires_grad=False)) is None  # (joint rules only)
 
 
+def test_disabling_cost_hints_takes_a_hinted_rule_back():
+    import dataclasses
+
+    rs = fo.RuleSet.builtin()
+    base = next(r for r in rs.rules("forward") if r.name == "linear_bias")
+    rs.add(dataclasses.replace(base, cost=lambda ops, ctx: "loses (test)"))
+    seq = fo.Sequential(fo.Linear(8, 8), rules=rs)
+    x = torch.randn(4, 8)
+    assert [r["rule"] for r in seq.fusion_plan("forward", x)] == [None, None]
+    with fo.fusion_rules.disabled("cost hints"):
+        assert [r["rule"] for r in seq.fusion_plan("forward", x)] == ["linear_bias"]
+
+
 def _moe(device):
     return fo.Sequential(fo.Router(32, 4, top_k=2), fo.Dispatch(), *_ops(64), fo.Combine()).to(device)
 
