@@ -389,7 +389,8 @@ def test_gpu_fused_mlp_fc2_splits_checked_by_one_equal_assert():
     """A fused grouped MLP given FC2 split sizes in a tensor of their own: one kernel
     (``splits_equal_assert``) asserts on the device that they equal FC1's; different values
     (here valid ones) fail at the next sync as a device-side assert."""
-    _assert_in_child('fo.fusion_rules.disabled("cost hints").__enter__()  # (the fused MLP whatever its hint)\n'
+    _assert_in_child('hints_off = fo.fusion_rules.disabled("cost hints")  # (the fused MLP whatever its hint;\n'
+                     'hints_off.__enter__()  # held by a name: an unreferenced generator would exit at once)\n'
                      'kw = dict(device="cuda", dtype=torch.bfloat16)\n'
                      'seq = fo.Sequential(fo.GroupedLinear(3, 16, 32, bias=False, **kw), fo.SwiGLU(), '
                      'fo.GroupedLinear(3, 16, 16, bias=False, **kw))\n'
