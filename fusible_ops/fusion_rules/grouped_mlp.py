@@ -195,13 +195,14 @@ def grouped_glu_cost(ops, ctx):
     """Cost hint of the joint grouped-MLP rules (``grouped_mlp``, ``moe_dispatch_mlp``): where the
     GLU-epilogue kernels measured slower than the same ops unfused in training on CUDA. H200,
     2026-11-27, harness cases ``moe_layer`` (3 shapes), ``grouped_mlp_8e`` and ``grouped_mlp_64e``
-    (2 routings each), 16384-32768 token rows, forward + backward, one run:
+    (2 routings each), 16384-32768 token rows, forward + backward, two runs:
 
-    * bf16: fused 1.5-3.3% slower on 6 of 7 configurations, 0.5% faster on the 7th (E=8,
-      F=14336), with a higher peak memory on the MoE layer (the kept activations are smaller, the
-      transient buffers larger). The GLU-epilogue kernels reach ~500 TFLOP/s (FC1 forward) and
-      ~380 (FC2 dgrad with dGLU) against ~690 for the plain grouped GEMM.
-    * FP8 current scaling: fused 9% faster at F=256 (E=128), on par at F=768, 1-5% slower from
+    * bf16: fused 0.9-5.7% slower on all 7 configurations in the second run (1.5-3.3% slower on 6,
+      0.5% faster on E=8, F=14336 in the first), with a higher peak memory on the MoE layer (the
+      kept activations are smaller, the transient buffers larger). The GLU-epilogue kernels reach
+      ~500 TFLOP/s (FC1 forward) and ~380 (FC2 dgrad with dGLU) against ~690 for the plain grouped
+      GEMM (profile of the E=128, F=768 layer).
+    * FP8 current scaling: fused 9% faster at F=256 (E=128), 1-2% faster at F=768, 2-6% slower from
       F=1408 (:data:`FP8_WIDE_FFN`).
 
     CPU runs the reference math either way (no hint). ``fo.tune(..., prefer="memory")`` or
@@ -210,10 +211,10 @@ def grouped_glu_cost(ops, ctx):
         return None
     width = ops[-1].in_features
     if ctx.recipe is None:
-        return ("training in 16/32-bit: the GLU-epilogue grouped kernels measured 1.5-3.3% slower than the "
+        return ("training in 16/32-bit: the GLU-epilogue grouped kernels measured 1-6% slower than the "
                 "unfused grouped GEMMs (H200)")
     if width >= FP8_WIDE_FFN:
-        return f"FP8 with expert width {width} >= {FP8_WIDE_FFN}: measured 1-5% slower than unfused (H200)"
+        return f"FP8 with expert width {width} >= {FP8_WIDE_FFN}: measured 2-6% slower than unfused (H200)"
     return None
 
 
