@@ -133,18 +133,27 @@ def _rows_cols(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _loss_rows(x, t, g, out, opts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 1 (and pass 2 into ``out`` when given): fresh fp32 ``(loss, lse)`` rows."""
+    loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    lse = torch.empty_like(loss)
+    _launch(x, t, g, lse, loss, out, opts, True, out is not None)
+    return loss, lse
+
+
+def _rows_fake(x):
+    return x.new_empty(x.shape[0], dtype=torch.float32), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
 @kernel_op("fusible_ops::ce_loss", mutates_args=())
 def _ce_loss_op(x: torch.Tensor, t: torch.Tensor, ignore_index: int, eps: float, zl: float,
                 cap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    lse = torch.empty_like(loss)
-    _launch(x, t, None, lse, loss, None, (ignore_index, eps, zl, cap), True, False)
-    return loss, lse
+    return _loss_rows(x, t, None, None, (ignore_index, eps, zl, cap))
 
 
 @_ce_loss_op.register_fake
 def _(x, t, ignore_index, eps, zl, cap):
-    return x.new_empty(x.shape[0], dtype=torch.float32), x.new_empty(x.shape[0], dtype=torch.float32)
+    return _rows_fake(x)
 
 
 @kernel_op("fusible_ops::ce_grad_rows", mutates_args=())
@@ -163,15 +172,12 @@ def _(x, t, lse, g, ignore_index, eps, zl, cap):
 @kernel_op("fusible_ops::ce_loss_grad_", mutates_args=("x",))
 def _ce_loss_grad_op(x: torch.Tensor, t: torch.Tensor, g: torch.Tensor, ignore_index: int, eps: float, zl: float,
                      cap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    lse = torch.empty_like(loss)
-    _launch(x, t, g, lse, loss, x, (ignore_index, eps, zl, cap), True, True)
-    return loss, lse
+    return _loss_rows(x, t, g, x, (ignore_index, eps, zl, cap))
 
 
 @_ce_loss_grad_op.register_fake
 def _(x, t, g, ignore_index, eps, zl, cap):
-    return x.new_empty(x.shape[0], dtype=torch.float32), x.new_empty(x.shape[0], dtype=torch.float32)
+    return _rows_fake(x)
 
 
 @kernel_op("fusible_ops::ce_grad_", mutates_args=("x",))
