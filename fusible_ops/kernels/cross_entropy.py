@@ -98,7 +98,7 @@ if HAS_TRITON:
                 d = tl.exp(z - lse) * pscale - g * eps / V
                 d = tl.where(cols == t, d - g * (1.0 - eps), d)
                 if SOFTCAP:
-                    zc = z / cap
+                    zc = tl.where(mask, z / cap, 0.0)  # (masked lanes hold -inf: no inf * 0)
                     d = d * (1.0 - zc * zc)
                 tl.store(o_row + cols, d.to(out_ptr.dtype.element_ty), mask=mask)
 

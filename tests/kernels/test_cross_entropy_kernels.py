@@ -100,3 +100,31 @@ def test_gpu_large_vocab(dtype):
     assert_close(loss, want_loss, torch.float32)
     assert_close(lse, want_lse, torch.float32)
     assert_close(buf, want_d, dtype)
+
+
+def test_custom_ops_opcheck_and_compile(small_blocks):
+    """Fake impls / schemas (opcheck, the in-place ops' mutations included) and a fullgraph trace
+    of the public functions."""
+    from torch.library import opcheck
+
+    opts = OPTS["all"]
+    x, t, gs = _case(6, 37, torch.float32, opts[0], False)
+    with K.use("triton"):
+        lse = ce.ce_loss(x, t, opts)[1]
+        opcheck(torch.ops.fusible_ops.ce_loss, (x, t, *opts))
+        opcheck(torch.ops.fusible_ops.ce_grad_rows, (x, t, lse, gs, *opts))
+        opcheck(torch.ops.fusible_ops.ce_loss_grad_, (x.clone(), t, gs, *opts))
+        opcheck(torch.ops.fusible_ops.ce_grad_, (x.clone(), t, lse, gs, *opts))
+
+        def f(x, t, gs):
+            loss, lse = ce.ce_loss(x, t, opts)
+            d = ce.ce_grad_rows(x, t, lse, gs, opts)
+            buf = x.clone()
+            loss2, _ = ce.ce_loss_grad_(buf, t, gs, opts)
+            return loss, d, buf, loss2
+
+        torch._dynamo.reset()
+        expected = f(x, t, gs)
+        got = torch.compile(f, backend="aot_eager", fullgraph=True)(x, t, gs)
+    for a, e in zip(got, expected):
+        assert torch.equal(a, e)
