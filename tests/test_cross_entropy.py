@@ -300,3 +300,23 @@ def test_fused_head_property_against_float64(T, d, vocab, chunk, reduction, smoo
         assert_close(loss, want_loss, torch.float32, msg="loss")
     assert_close(x.grad, want_dx, torch.float32, msg="dx")
     assert_close(seq[0].weight.grad, want_dw, torch.float32, msg="dW")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_torch_compile_of_the_fused_head_has_no_graph_break(reduction):
+    """torch.compile of a step through the fused head: one graph, no break (the targets' range
+    check is an asynchronous assert while tracing), the same loss and gradients as eager."""
+    from torch._dynamo.utils import counters
+
+    seq = _head(torch.float32, {}, reduction)
+    x, t = torch.randn(12, D, requires_grad=True), _targets((12,))
+    seq(x, t).sum().backward()
+    want = [x.grad.clone(), seq[0].weight.grad.clone()]
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda x, t: seq(x, t), backend="aot_eager")
+    for _ in range(3):
+        x.grad = seq[0].weight.grad = None
+        step(x, t).sum().backward()
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 1
+    assert torch.allclose(x.grad, want[0], atol=1e-6) and torch.allclose(seq[0].weight.grad, want[1], atol=1e-6)

@@ -82,8 +82,9 @@ class CrossEntropy(BasicOperation):
 
     def check_targets(self, logits_shape, vocab: int, targets, device) -> torch.Tensor:
         """Validate ``targets`` for logits of ``logits_shape`` (``[..., vocab]``); returns them flat
-        ``[rows]``. Out-of-range ids (other than ``ignore_index``) raise on CPU; on CUDA they are a
-        device-side assert (no host sync), as in ``F.cross_entropy``."""
+        ``[rows]``. Out-of-range ids (other than ``ignore_index``) raise on CPU; on CUDA (and while
+        torch.compile traces) they are an asynchronous assert (no host sync), as in
+        ``F.cross_entropy``."""
         name = type(self).__name__
         if not isinstance(targets, torch.Tensor):
             raise TypeError(f"{name}: targets must be a tensor of class ids, got {type(targets).__name__}")
@@ -97,7 +98,7 @@ class CrossEntropy(BasicOperation):
             raise RuntimeError(f"{name}: targets are on {targets.device} but the logits are on {device}")
         flat = targets.reshape(-1)
         bad = ((flat < 0) | (flat >= vocab)) & (flat != self.ignore_index)
-        if flat.is_cuda:
+        if flat.is_cuda or torch.compiler.is_compiling():  # (no host read: no sync, no graph break)
             torch._assert_async(~bad.any(), f"{name}: a target is out of range [0, {vocab})")
         elif bool(bad.any()):
             v = int(flat[bad][0])
