@@ -43,6 +43,7 @@ from .op import BasicOperation, OperationContext, set_fuser_factory
 from .quantization.recipes import current_recipe
 from .quantization.tensor import Float8Tensor
 from .rules import COST_HINTS, FusionContext, RuleSet, disabled_key, global_rules, plan_pass
+from .channels import find_channels
 
 CPU_AUTOGRAD = os.environ.get("FUSIBLE_OPS_CPU_AUTOGRAD", "1") != "0"
 """Run CPU training calls under PyTorch's own autograd where every forward step allows it
@@ -102,6 +103,15 @@ class OperationFuser:
         else:  # routed ops get their extra inputs (split sizes) from the routing, not the caller
             self._num_extra_inputs = self._routing.extra_input_counts(ops)
         self._num_extra_outputs = [op.num_extra_outputs for op in ops]
+        self._channels = find_channels(ops)  # (values carried forward inside the run: fusible_ops.channels)
+        if self._channels is not None:
+            if self._routing is not None:
+                raise ValueError("channels (MakeExtraOutput / AddExtraInput with channel=) inside a MoE layer's run "
+                                 "of ops are not supported")
+            for c in self._channels.source:  # (filled by the fuser, not by the caller)
+                self._num_extra_inputs[c] = 0
+            for p in self._channels.producers:
+                self._num_extra_outputs[p] = 0
         self.num_extra_inputs = sum(self._num_extra_inputs)
         self.num_extra_outputs = sum(self._num_extra_outputs)
         self._plans: dict[tuple, Plan] = {}
@@ -306,6 +316,8 @@ class OperationFuser:
                 plan.unwatched = True
             else:
                 watch_plain_weights(self)  # plain-mode weights left ungated: delayed_wgrad() hooks them
+        if self._channels is not None:
+            self._channels.check_plan(plan)
         if self._routing is None:  # (else the extension running the steps installs them: its hook comes first)
             plan.compile_steps(ops)
         for hook, layout in self._plan_hooks:  # (MoE routing's steps, C++ replay's plan.replay)
@@ -486,6 +498,9 @@ class _FuserFunction(torch.autograd.Function):
                 k += m
         else:
             grad_extra_out = fuser._no_extras
+        routes = fuser._channels
+        if routes is not None:  # producers get their consumers' extra-input gradients (below)
+            grad_extra_out = [(None,) if i in routes.producers else g for i, g in enumerate(grad_extra_out)]
         # Views of the forward ctxs that carry the saved tensors: nothing created in forward is
         # mutated, so torch.compile can trace the backward too.
         saved, k, ctxs = func_ctx.saved_tensors, 0, []
@@ -529,7 +544,12 @@ class _FuserFunction(torch.autograd.Function):
                     _check_param_grads(op, ops[i], pg_i, param_grads[i])
                 param_grads[i] = pg_i
                 if ge[j] is not None:
-                    grad_extra_in[i] = tuple(ge[j])
+                    if routes is not None and i in routes.source:  # (a channel: to its producer)
+                        p, g = routes.source[i], ge[j][0]
+                        have = grad_extra_out[p][0]
+                        grad_extra_out[p] = (g if have is None else have if g is None else have + g,)
+                    else:
+                        grad_extra_in[i] = tuple(ge[j])
                 ctxs[i]._saved = ()
         if not plan.backward_complete:
             dy = None
@@ -546,6 +566,8 @@ class _FuserFunction(torch.autograd.Function):
 def _run_forward(fuser: OperationFuser, plan: Plan, ctxs: list, x: torch.Tensor, extra: Sequence) -> tuple:
     """The plan's forward steps on ``x`` with the flat extra inputs ``extra``, filling ``ctxs``.
     Returns ``(y, extra_outputs)``: one tuple of extra outputs per basic op."""
+    if fuser._channels is not None:
+        return fuser._channels.run_forward(fuser, plan, ctxs, x, extra)
     extra_inputs = fuser._split_extra(extra) if extra else fuser._no_extras
     has_extra_out = fuser.num_extra_outputs != 0
     extra_outputs: list[tuple] = [()] * len(ctxs)

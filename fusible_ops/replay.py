@@ -285,11 +285,12 @@ def _build(ext, fuser, plan, inputs, n_extra, raw_apply, fn, weights: list):
 def replayer_for(fuser, plan, device_type: str, n_extra: int, recipe) -> Optional["Replayer"]:
     """The :class:`Replayer` of a new plan, or None when its calls are never replayed: not a CUDA
     training plan, delayed or block FP8 scaling (delayed: an amax history each call updates), MoE routing,
-    flagged contract weights, parametrized weights, extra outputs, or a step that is not
+    flagged contract weights, parametrized weights, extra outputs, channels, or a step that is not
     ``replayable``."""
     if not (ENABLED and plan.requires_grad and device_type == "cuda" and fuser._routing is None
             and (recipe is None or type(recipe) in _REPLAYED_RECIPES)
             and not fuser._wgrad_flagged and not fuser._parametrized and fuser.num_extra_outputs == 0
+            and fuser._channels is None
             and all(g.op.replayable for g in plan.forward + plan.backward)):
         return None
     if any(isinstance(op, WeightGradMixin) for op in fuser.ops):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..op import BasicOperation
@@ -17,6 +19,10 @@ class AddExtraInput(BasicOperation):
     is ``h + mlp(norm(h))``, with the residual fusions (``linear_add``) applied. The Sequential
     then takes no extra input for this op (``extra_input_names`` leaves it out); the input's
     gradient sums both of its uses. Called alone, outside a Sequential, the op adds its own input.
+
+    ``channel="name"``: ``extra`` is the value of the earlier ``MakeExtraOutput(channel="name")`` of
+    the same run of fusible ops (:mod:`fusible_ops.channels`); the Sequential takes no extra input
+    for it, and the value's gradient sums both of its uses.
     """
 
     num_extra_inputs = 1
@@ -24,12 +30,18 @@ class AddExtraInput(BasicOperation):
     cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
     replayable = True  # (see FusibleOperation.replayable: an ATen add; its backward passes dy on)
 
-    def __init__(self, *, from_input: bool = False) -> None:
+    def __init__(self, *, from_input: bool = False, channel: Optional[str] = None) -> None:
         super().__init__()
+        if from_input and channel is not None:
+            raise ValueError("AddExtraInput: from_input=True and channel= both name where the residual comes from; "
+                             "give one")
+        if channel is not None and not (isinstance(channel, str) and channel):
+            raise TypeError(f"AddExtraInput: channel must be a non-empty string, got {channel!r}")
         self.from_input = bool(from_input)
+        self.channel_in = channel
 
     def extra_repr(self) -> str:
-        return "from_input=True" if self.from_input else ""
+        return "from_input=True" if self.from_input else f"channel={self.channel_in!r}" if self.channel_in else ""
 
     def forward(self, x: torch.Tensor, *extra_inputs):
         if self.from_input and not extra_inputs:  # (alone: its own input is the Sequential's)
@@ -53,10 +65,22 @@ class AddExtraInput(BasicOperation):
 
 
 class MakeExtraOutput(BasicOperation):
-    """Passes ``x`` through and also returns it as an extra output (e.g. the residual stream)."""
+    """Passes ``x`` through and also returns it as an extra output (e.g. the residual stream).
+
+    ``channel="name"``: the value goes to the later ``AddExtraInput(channel="name")`` of the same
+    run of fusible ops instead of being returned (:mod:`fusible_ops.channels`)."""
 
     num_extra_outputs = 1
     cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
+
+    def __init__(self, *, channel: Optional[str] = None) -> None:
+        super().__init__()
+        if channel is not None and not (isinstance(channel, str) and channel):
+            raise TypeError(f"MakeExtraOutput: channel must be a non-empty string, got {channel!r}")
+        self.channel_out = channel
+
+    def extra_repr(self) -> str:
+        return f"channel={self.channel_out!r}" if self.channel_out else ""
 
     @classmethod
     def _example(cls, n: int, **factory):
