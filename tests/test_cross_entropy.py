@@ -320,3 +320,30 @@ def test_torch_compile_of_the_fused_head_has_no_graph_break(reduction):
         step(x, t).sum().backward()
     assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 1
     assert torch.allclose(x.grad, want[0], atol=1e-6) and torch.allclose(seq[0].weight.grad, want[1], atol=1e-6)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("schedule", [None, False], ids=["grad_in_forward", "recompute"])
+def test_fused_head_with_the_triton_kernels_matches_float64(schedule, monkeypatch):
+    """The fused head with the loss kernels themselves (Triton's interpreter on CPU): chunks of 4
+    rows over a V that needs several column steps, every option."""
+    import fusible_ops.kernels as K
+    from fusible_ops.kernels import cross_entropy as kce
+
+    monkeypatch.setattr(kce, "MAX_BLOCK_V", 16)
+    monkeypatch.setattr(LCE, "CHUNK_BYTES", V * 4 * 4)
+    monkeypatch.setattr(LCE, "GRAD_IN_FORWARD", schedule)
+    seq = _head(torch.float32, OPTIONS[-1], "mean")
+    x = torch.randn(10, D, requires_grad=True)
+    t = _targets((10,), OPTIONS[-1]["ignore_index"])
+    launches = []
+    launch = kce._launch
+    monkeypatch.setattr(kce, "_launch", lambda *a: launches.append(a[-2:]) or launch(*a))
+    with K.use("triton"):
+        loss = seq(x, t)
+        loss.backward(torch.tensor(1.3))
+    assert len(launches) == (3 if schedule is None else 6)  # (3 chunks: loss + gradient, or loss then gradient)
+    want_loss, want_dx, want_dw = _float64(seq, x, t, torch.tensor(1.3))
+    assert_close(loss, want_loss, torch.float32, msg="loss")
+    assert_close_norm(x.grad, want_dx, torch.float32, msg="dx")
+    assert_close_norm(seq[0].weight.grad, want_dw, torch.float32, msg="dW")
