@@ -131,7 +131,8 @@ class LinearCrossEntropy(FusedOperation):
         if early:
             g = row_scale(torch.ones((), device=x.device), t, ce.ignore_index, ce.reduction)
             dx = torch.empty(n, lin.in_features, dtype=x2.dtype, device=x.device) if xg else None
-            dw = (torch.empty if n else torch.zeros)(w.shape, dtype=w.dtype, device=w.device) if wg else None  # (the first chunk writes it)
+            new = torch.empty if n else torch.zeros  # (the first chunk writes dW)
+            dw = new(w.shape, dtype=w.dtype, device=w.device) if wg else None
             for s in range(0, n, step):
                 z = gemms.logits(s, s + step)
                 rows[s:s + step], lse[s:s + step] = ce_loss_grad_(z, t[s:s + step], g[s:s + step], opts)

@@ -17,7 +17,8 @@ One program per row of ``logits [rows, V]`` (fp32 / fp16 / bf16, row stride free
 Entry points: :func:`ce_loss` (pass 1), :func:`ce_grad_rows` (pass 2 into a new tensor),
 :func:`ce_loss_grad_` (both, gradient in place of the logits), :func:`ce_grad_` (pass 2 in place).
 Each runs the ``*_ref`` twin (:func:`ce_loss_ref`, :func:`ce_grad_ref`, the same math in torch ops;
-the reference of the op, ``F.cross_entropy``, is in :mod:`fusible_ops.ops.loss`) where the dispatch rule says so (CPU, float64, ``use("reference")``).
+the reference of the op, ``F.cross_entropy``, is in :mod:`fusible_ops.ops.loss`) where the dispatch
+rule says so (CPU, float64, ``use("reference")``).
 Out-of-range targets are the caller's to check (:meth:`CrossEntropy.check_targets`); the kernel
 reads ``z[t]`` only for ``0 <= t < V``.
 """

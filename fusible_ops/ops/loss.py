@@ -77,7 +77,8 @@ class CrossEntropy(BasicOperation):
         return cls(), None
 
     def options(self) -> tuple:
-        """``(ignore_index, label_smoothing, z_loss_coeff, logit_softcap)`` for the kernels of :mod:`fusible_ops.kernels.cross_entropy`."""
+        """``(ignore_index, label_smoothing, z_loss_coeff, logit_softcap)``, the ``opts`` of the kernels of
+        :mod:`fusible_ops.kernels.cross_entropy`."""
         return self.ignore_index, self.label_smoothing, self.z_loss_coeff, self.logit_softcap
 
     def check_targets(self, logits_shape, vocab: int, targets, device) -> torch.Tensor:
