@@ -14,11 +14,11 @@ from fusible_ops.testing import assert_close
 D, FF = 16, 24
 
 
-def _block(device="cpu", dtype=torch.float32):
+def _block(device="cpu", dtype=torch.float32, ff=FF):
     torch.manual_seed(0)
     kw = dict(device=device, dtype=dtype)
     return fo.Sequential(fo.AddExtraInput(), fo.MakeExtraOutput(channel="h"), fo.RMSNorm(D, **kw),
-                         fo.Linear(D, 2 * FF, bias=False, **kw), fo.SwiGLU(), fo.Linear(FF, D, bias=False, **kw),
+                         fo.Linear(D, 2 * ff, bias=False, **kw), fo.SwiGLU(), fo.Linear(ff, D, bias=False, **kw),
                          fo.AddExtraInput(channel="h"))
 
 
@@ -51,6 +51,48 @@ def test_mid_chain_residual_block_matches_float64_and_fuses(path):
     assert_close(y, want, torch.float32)
     assert_close(x.grad, dx, torch.float32)
     assert_close(r.grad, dr, torch.float32)
+
+
+def test_the_channel_equals_the_block_split_by_hand():
+    """The same ops as two Sequentials, the residual passed by the caller: bit for bit (the same
+    plans: residual_extra_norm in the first, linear_add in the second)."""
+    block = _block()
+    first = fo.Sequential(block[0], fo.MakeExtraOutput(), block[2])  # (the same parameters)
+    second = fo.Sequential(block[3], block[4], block[5], fo.AddExtraInput())
+    x, r = torch.randn(6, D, requires_grad=True), torch.randn(6, D, requires_grad=True)
+    dy = torch.randn(6, D)
+    y = block(x, r)
+    y.backward(dy)
+    got = [y.detach(), x.grad, r.grad, *[block[i].weight.grad for i in (2, 3, 5)]]
+    x.grad = r.grad = None
+    for i in (2, 3, 5):
+        block[i].weight.grad = None
+    n, h = first(x, r)
+    y2 = second(n, h)
+    y2.backward(dy)
+    want = [y2.detach(), x.grad, r.grad, *[block[i].weight.grad for i in (2, 3, 5)]]
+    assert [g["rule"] for g in first.fusion_plan() if g["rule"]] == ["residual_extra_norm"]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_fp8_current_scaling_through_a_channel_against_float64():
+    """Under FP8 autocast (CPU: emulation) the block keeps residual_extra_norm (linear_add declines
+    under FP8) and its result and gradients are within the FP8 SQNR table against float64."""
+    from fusible_ops.testing import SQNR_DB, assert_sqnr
+
+    block = _block(ff=32)  # (FP8 dims: multiples of 16)
+    x, r = torch.randn(32, D, requires_grad=True), torch.randn(32, D, requires_grad=True)
+    dy = torch.randn(32, D)
+    recipe = fo.Float8CurrentScaling()
+    with fo.autocast(recipe=recipe):
+        y = block(x, r)
+        assert [g["rule"] for g in block.fusion_plan() if g["rule"]] == ["residual_extra_norm"]
+    y.backward(dy)
+    want, dx, dr = _float64(block, x, r, dy)
+    assert_sqnr(y, want, SQNR_DB["output", recipe.fp8_format], msg="y")
+    assert_sqnr(x.grad, dx, SQNR_DB["grad", recipe.fp8_format], msg="dx")
+    assert_sqnr(r.grad, dr, SQNR_DB["grad", recipe.fp8_format], msg="dr")
 
 
 def test_torch_compile_of_the_block_has_no_graph_break():
