@@ -230,3 +230,18 @@ def test_shortfalls_name_failed_variants_slower_fused_and_fused_slower_than_unfu
     assert "- swiglu: fused is slower than eager PyTorch (0.50x)" in lines
     assert not any("bias_gelu" in s for s in lines)
     assert len(lines) == 3
+
+
+def test_grouped_gemm_case_times_each_gemm_forward_only(tmp_path):
+    """grouped_gemm: forward-only benches (nothing requires grad), ours against torch._grouped_mm
+    for the forward, input-gradient and weight-gradient GEMMs; the outputs agree."""
+    out = str(tmp_path / "res")
+    assert main(["grouped_gemm", "--out", out, *QUICK]) == 0
+    _, rows = _read(out)
+    rows = [r for r in rows if r["case"] == "grouped_gemm"]
+    configs = {r["config"] for r in rows}
+    assert configs == {f"{s}_{k}" for s in ("fc1_8e", "fc1_128e") for k in ("fwd", "dgrad", "wgrad")}
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["variant"] in ("fused", "grouped_mm") and r["metric"] == "flops" and r["tflops"] > 0
+        assert r["rel_err"] < 2e-2

@@ -248,6 +248,8 @@ def _grad_targets(inputs: tuple, params: list[torch.Tensor]) -> list[torch.Tenso
 
 def _fwd_bwd(fn, inputs, dy, targets):
     y = fn(*inputs)
+    if not targets:  # (a forward-only bench: nothing requires grad, e.g. one GEMM alone)
+        return y, ()
     grads = torch.autograd.grad(y, targets, dy, allow_unused=True)
     return y, grads
 
@@ -266,7 +268,7 @@ def _check_variant(bench, name: str, fn, inputs, dy, targets, device) -> tuple[f
         return first, 0.0, problem
     ref_fn = bench.reference if bench.reference is not None else (lambda inp, _y: bench.variants[bench.baseline](*inp))
     y_ref = ref_fn(inputs, y)
-    g_ref = torch.autograd.grad(y_ref, targets, dy, allow_unused=True)
+    g_ref = torch.autograd.grad(y_ref, targets, dy, allow_unused=True) if targets else ()
     errs = [rel_norm_err(y, y_ref)] + [rel_norm_err(a, b) for a, b in zip(grads, g_ref)]
     err = max(errs)
     tol = bench.tolerances.get(name, REL_ERR_TOL)
@@ -291,6 +293,8 @@ def _peak_mib(call, device: torch.device) -> Optional[float]:
 
 
 def _plan_rules(bench) -> tuple[list[str], list[str]]:
+    if bench.fused_module is None:  # (a case that times kernels alone: no plan)
+        return [], []
     args = bench.plan_args(bench.copies[0][0])
     fwd = [r["rule"] for r in bench.fused_module.fusion_plan("forward", *args) if r.get("rule")]
     bwd = [r["rule"] for r in bench.fused_module.fusion_plan("backward", *args) if r.get("rule")]

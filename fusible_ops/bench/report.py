@@ -24,8 +24,10 @@ FAMILIES = [
                                        "norm_sizes")),
     ("Dense MLP blocks (bf16 and FP8)", ("mlp_block", "mlp_block_swiglu")),
     ("Grouped expert MLPs (bf16 and FP8)", ("grouped_mlp_8e", "grouped_mlp_64e")),
+    ("Grouped GEMMs alone", ("grouped_gemm",)),
     ("MoE layer", ("moe_layer",)),
     ("Model stacks (attention + blocks, bf16 and FP8)", ("dense_layers", "moe_layers")),
+    ("LM head", ("lm_head",)),
     ("Distributed (torchrun)", ("tp_mlp", "ep_moe")),
 ]
 """(title, cases) of each table, in page order; cases of no family go to a last "Other" table."""
