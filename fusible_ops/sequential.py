@@ -480,6 +480,11 @@ class Sequential(torch.nn.Module):
                              f"(a fusion boundary), so its hooks see its inputs and outputs")
         for fuser, _, offset in plans:
             lines.extend(_routing_lines(fuser, offset))
+            chan = fuser._channels
+            for c, p in sorted((chan.source.items() if chan is not None else ()), key=lambda cp: cp[1]):
+                src, dst = ops[offset + p], ops[offset + c]
+                lines.append(f"channel {dst.channel_in!r}: op [{offset + p}] {type(src).__name__} -> op [{offset + c}] "
+                             f"{type(dst).__name__} (forward: its value; backward: the gradient back)")
         for pass_ in ("forward", "backward"):
             lines.append(f"{pass_} plan:")
             fusers = iter(plans)

@@ -47,6 +47,7 @@ def test_mid_chain_residual_block_matches_float64_and_fuses(path):
         y.backward(dy)
         rules = [g["rule"] for g in block.fusion_plan("forward", x, r)]
     assert rules == ["residual_extra_norm", None, None, "linear_add"]
+    assert "channel 'h': op [1] MakeExtraOutput -> op [6] AddExtraInput" in block.explain(x, r)
     want, dx, dr = _float64(block, x, r, dy)
     assert_close(y, want, torch.float32)
     assert_close(x.grad, dx, torch.float32)
