@@ -37,20 +37,17 @@ def lm_head(ctx: BenchContext) -> Iterator[Bench]:
         t = torch.randint(0, V, (T,), device=ctx.device, generator=g)
         return (ctx.randn(T, d, requires_grad=True), t), torch.ones((), device=ctx.device)
 
-    def recompute(x, t):  # (the schedule is chosen in forward; backward follows what forward saved)
-        old, linear_ce.GRAD_IN_FORWARD = linear_ce.GRAD_IN_FORWARD, False
-        try:
-            return seq(x, t)
-        finally:
-            linear_ce.GRAD_IN_FORWARD = old
+    def with_setting(name, value):  # (read in forward; backward follows what forward saved)
+        def call(x, t):
+            old = getattr(linear_ce, name)
+            setattr(linear_ce, name, value)
+            try:
+                return seq(x, t)
+            finally:
+                setattr(linear_ce, name, old)
+        return call
 
-    def big_chunks(x, t):  # 512 MiB of logits per chunk: faster, more memory
-        old, linear_ce.CHUNK_BYTES = linear_ce.CHUNK_BYTES, 512 << 20
-        try:
-            return seq(x, t)
-        finally:
-            linear_ce.CHUNK_BYTES = old
-
+    recompute, big_chunks = with_setting("GRAD_IN_FORWARD", False), with_setting("CHUNK_BYTES", 512 << 20)
     variants = _with_compile(ctx, {"fused": lambda x, t: seq(x, t), "fused_recompute": recompute,
                                    "fused_512mib": big_chunks, "eager": eager}, eager)
     variants.update({k: v for k, v in fp8_variants(ctx, seq).items() if k == "fp8_current"})

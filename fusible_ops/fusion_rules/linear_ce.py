@@ -7,8 +7,8 @@ The ``[T, V]`` logits are the largest activation of a language model (T=16384 to
 W.T`` (one GEMM in x's dtype), then one Triton kernel (:mod:`fusible_ops.kernels.cross_entropy`)
 gives the rows' loss and logsumexp in float32 and, where the gradient is made then, writes the
 logits' gradient over the logits (one chunk buffer). ``dx_c = dlogits @ W`` and ``dW += dlogits.T @
-x_c`` follow (``addmm_`` into the gradient buffer: fp32 accumulation in the GEMM, one rounding per
-chunk). Two schedules:
+x_c`` follow (:func:`~fusible_ops.kernels.gemm.linear_wgrad` into the gradient buffer, an fp32
+``main_grad`` included: fp32 accumulation in the GEMM, one rounding per chunk). Two schedules:
 
 * **gradients in forward** (the default when the loss is reduced, ``"mean"`` or ``"sum"``, and the
   weight gradient is not delayed): three GEMMs per chunk, all in the forward pass, for a loss
@@ -46,6 +46,7 @@ import torch
 from ..grad import deliver_weight_grad, scheduler_active
 from ..kernels.cross_entropy import ce_grad_, ce_loss, ce_loss_grad_
 from ..kernels.fp8_gemm import fp8_gemm
+from ..kernels.gemm import linear_fprop, linear_wgrad
 from ..op import FusedOperation
 from ..ops.fp8_linear import check_dims
 from ..ops.linear import BasicLinear
@@ -177,12 +178,15 @@ class LinearCrossEntropy(FusedOperation):
             return gemms.prepare(d)
 
         def compute(out, acc):  # the weight gradient (and dx, when this is the first pass)
-            dw = torch.zeros_like(w) if out is None else (out if acc else out.zero_())
+            overwrite = out is None or not acc  # (then the first chunk writes dw)
+            dw = torch.empty_like(w) if out is None else out
+            if overwrite and n == 0:
+                dw.zero_()
             for s in range(0, n, step):
                 d = dlogits(s)
                 if pending_dx[0]:
                     gemms.dx(d, dx[s:s + step])
-                gemms.add_wgrad(dw, d, s, s + step)
+                gemms.add_wgrad(dw, d, s, s + step, first=overwrite and s == 0)
                 del d  # (one chunk buffer at a time)
             pending_dx[0] = False
             return dw
@@ -231,7 +235,7 @@ class _HighPrecision:
         return self.x2, self.w
 
     def logits(self, s: int, e: int) -> torch.Tensor:
-        return self.x2[s:e] @ self.w.t()
+        return linear_fprop(self.x2[s:e], self.w)
 
     def prepare(self, d: torch.Tensor):
         return d
@@ -240,10 +244,8 @@ class _HighPrecision:
         torch.mm(d, self.w, out=out)
 
     def add_wgrad(self, dw: torch.Tensor, d, s: int, e: int, first: bool = False) -> None:
-        if first and dw.dtype == d.dtype:  # (dw's old values are not read)
-            torch.mm(d.t(), self.x2[s:e], out=dw)
-        else:
-            _add_wgrad(dw.zero_() if first else dw, d, self.x2[s:e])
+        # (the dense GEMM seam: one GEMM writes or adds into dw, an fp32 main_grad too, no temporary)
+        linear_wgrad(d, self.x2[s:e], out=dw, accumulate=not first)
 
 
 class _Fp8:
@@ -280,18 +282,6 @@ class _Fp8:
         data, inv = self.x_cols  # (the chunk's columns copied out: [d, chunk] FP8, small; a plain operand)
         fp8_gemm(dq.colwise, (data[:, s:e].contiguous(), inv), "tensor", "tensor", dw.dtype, out=dw,
                  accumulate=not first)
-
-
-def _add_wgrad(dw: torch.Tensor, d: torch.Tensor, x: torch.Tensor) -> None:
-    """``dw += d.T @ x`` with no temporary of dw's size: one ``addmm_`` (the GEMM accumulates in fp32
-    and adds dw before its one rounding) when the dtypes agree; into an fp32 ``main_grad``, in
-    blocks of at most 1/8 of the rows."""
-    if dw.dtype == d.dtype:
-        dw.addmm_(d.t(), x)
-        return
-    block = max(1, -(-dw.shape[0] // 8))
-    for v in range(0, dw.shape[0], block):
-        dw[v:v + block].add_(d[:, v:v + block].t() @ x)
 
 
 def _check(ops, ctx):
