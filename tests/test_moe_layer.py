@@ -16,6 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import fusible_ops as fo
+import fusible_ops.ops.moe as moe_ops
 from fusible_ops.ops.moe import RoutingError
 from fusible_ops.testing import assert_close_scaled, assert_matches_reference
 from test_compile_cpu import _assert_no_graph_breaks, _have_cxx
@@ -185,14 +186,12 @@ def test_low_precision_block_with_norm_before_the_router(dtype):
 def test_reference_catches_a_wrong_selection(monkeypatch):
     moe = _moe(6, 2)
     x = _x((9, H), seed=18)
-    real = fo.Router.select
+    real = moe_ops.route
 
-    def worst(self, scores, given=None):  # picks the LOWEST scores
-        ids, probs = real(self, -scores, given)
-        return ids, scores.gather(1, ids)
+    def worst(logits, k, **kw):  # the run picks the LOWEST scores
+        return real(-logits, k, **kw)
 
-    monkeypatch.setattr(fo.Router, "select", lambda self, scores, given=None: worst(self, scores, given)
-                        if given is not None and given.expert_ids is None else real(self, scores, given))
+    monkeypatch.setattr(moe_ops, "route", worst)
     with pytest.raises(AssertionError, match=r"the run's experts .* are not a top-2 of the reference"):
         assert_matches_reference(moe, x)
 

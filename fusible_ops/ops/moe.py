@@ -15,9 +15,10 @@ What must hold:
 
 * Router..Combine run in ONE fuser (:class:`RoutingLayout` checks it when the fuser is built:
   a hook or a non-fusible module in between is an error naming the ops, never a wrong result).
-* No host sync: counts come from ``scatter_add_`` into a device tensor, the permutation from a
-  stable ``argsort`` (tokens of one expert keep token order: deterministic), copies are gathered
-  with ``index_select`` and summed back over ``top_k`` in a fixed order (no atomics).
+* No host sync: the top-k, the counts per expert and the stable sort of the copies by expert
+  (tokens of one expert keep token order: deterministic) come from three kernels
+  (:func:`~fusible_ops.kernels.moe_router.route`: a counting sort, no atomics); copies are
+  gathered with ``index_select`` and summed back over ``top_k`` in a fixed order.
 * Probabilities are float32 (the router's math is float32 whatever the activations' dtype);
   ``Combine`` weights the expert outputs by them in float32, summing each token's copies in one
   pass (:mod:`fusible_ops.kernels.moe_combine`). The auxiliary loss is a float32 scalar.
@@ -38,6 +39,7 @@ import torch
 from ..grad import WeightGradMixin, deliver_weight_grad
 from ..kernels.gemm import linear_wgrad
 from ..kernels.moe_combine import combine_bwd, gather_sum
+from ..kernels.moe_router import route, router_dlogits
 from ..op import BasicOperation
 from .comm import GroupRef
 from .grouped_linear import GroupedLinear
@@ -317,39 +319,32 @@ class Router(WeightGradMixin, BasicOperation):
         routing.token_shape, routing.expert_ids, routing.probs, routing.split_sizes = x.shape[:-1], ids, probs, counts
         return x2d, logits, ids, counts, self.aux_loss(logits, scores, counts)
 
-    def _dlogits(self, logits, ids, counts, dprobs, daux) -> torch.Tensor:
-        """d(loss)/d(logits) [T, E] float32 from the probabilities' and the aux loss's gradients."""
-        tokens, k, e = logits.shape[0], self.top_k, self.num_experts
-        s = self.scores(logits)
-        ds = torch.zeros_like(logits)
-        if dprobs is not None:
-            vals = s.gather(1, ids)
-            if self.normalize:
-                total = vals.sum(-1, keepdim=True)
-                dprobs = (dprobs - (dprobs * vals).sum(-1, keepdim=True) / total) / total
-            ds.scatter_add_(1, ids, dprobs.to(ds.dtype))
-        if daux is not None and tokens and self.aux_loss_coeff:
-            g = counts.to(s.dtype) * (self.aux_loss_coeff * e / (tokens * tokens * k)) * daux  # dP_e / T
-            if self.score == "softmax":
-                ds = ds + g
-            else:  # P uses s normalized over the experts
-                total = s.sum(-1, keepdim=True)
-                ds = ds + (g - (s * g).sum(-1, keepdim=True) / total) / total
-        if self.score == "softmax":
-            dl = s * (ds - (ds * s).sum(-1, keepdim=True))
-        else:
-            dl = ds * s * (1 - s)
-        if daux is not None and tokens and self.z_loss_coeff:
-            lse = torch.logsumexp(logits, -1, keepdim=True)
-            dl = dl + (2 * self.z_loss_coeff / tokens) * daux * lse * torch.softmax(logits, -1)
-        return dl
+    def _route_kernels(self, x: torch.Tensor, routing: Routing) -> tuple:
+        """:meth:`_route` through :func:`~fusible_ops.kernels.moe_router.route` (three kernels on
+        CUDA, no autograd): also fills the sort permutation of the copies (``routing.perm``)."""
+        x2d = x.reshape(-1, self.in_features)
+        logits = _router_logits(x2d, self.weight)
+        r = route(logits, self.top_k, score=self.score, normalize=self.normalize, bias=self.expert_bias,
+                  score_sum=self.aux_loss_coeff > 0, zsum=self.z_loss_coeff > 0)
+        routing.token_shape, routing.expert_ids, routing.probs, routing.split_sizes = x.shape[:-1], r.ids, r.probs, \
+            r.counts
+        routing.perm, routing.inv_perm = r.perm, r.inv_perm
+        tokens = x2d.shape[0]
+        aux = logits.new_zeros(())
+        if tokens and r.score_sum is not None:  # aux_coeff * E * sum_e (count_e / (T k)) * (score_sum_e / T)
+            scale = self.aux_loss_coeff * self.num_experts / (tokens * tokens * self.top_k)
+            aux = torch.dot(r.counts.to(r.score_sum.dtype), r.score_sum) * scale
+        if tokens and r.zsum is not None:
+            aux = aux + r.zsum * (self.z_loss_coeff / tokens)
+        return x2d, logits, r.ids, r.counts, aux
 
     # fuser interface -------------------------------------------------------------------------
     def fuser_forward(self, ctxs, x, *, extra_inputs, routing: Routing = None, **kwargs):
         _need_routing(self, routing)
         check_input(self, x, features=self.in_features, like=self.weight)
         ctx = ctxs[0]
-        x2d, logits, ids, counts, aux = self._route(x, routing)
+        preset = routing.expert_ids is not None  # (a reference replaying a run's choice)
+        x2d, logits, ids, counts, aux = (self._route if preset else self._route_kernels)(x, routing)
         if _RECORDS:
             _RECORDS[-1].append(ids)
         if self.expert_load is not None and self.training:
@@ -368,12 +363,13 @@ class Router(WeightGradMixin, BasicOperation):
         (daux,) = grad_extra_outputs[0]
         if not (ctx.input_requires_grad or ctx.weight_grad):
             return None, [(None,)], [()]
-        dl = self._dlogits(logits, ids, counts, routing.dprobs, daux)
         # 16-bit CUDA: the logits' gradient is rounded to the activations' dtype and both GEMMs run
         # on tensor cores with float32 accumulation (as autograd does for a 16-bit nn.Linear);
         # elsewhere in float32 (float64 for float64).
-        if dl.is_cuda and self.weight.dtype in (torch.bfloat16, torch.float16):  # (x has the weight's dtype)
-            dl = dl.to(self.weight.dtype)
+        lowp = logits.is_cuda and self.weight.dtype in (torch.bfloat16, torch.float16)  # (x has the weight's dtype)
+        dl = router_dlogits(logits, ids, routing.dprobs, counts, daux, score=self.score, normalize=self.normalize,
+                            aux_coeff=self.aux_loss_coeff, z_coeff=self.z_loss_coeff,
+                            out_dtype=self.weight.dtype if lowp else logits.dtype)
         dx = None
         if ctx.input_requires_grad:
             dx = (dl @ w.to(dl.dtype)).to(w.dtype).reshape(ctx.input_shape)
@@ -433,7 +429,8 @@ class Dispatch(BasicOperation):
         if x2d.shape[0] != routing.num_tokens:
             raise ValueError(f"Dispatch: the input has {x2d.shape[0]} rows but the Router routed "
                              f"{routing.num_tokens} tokens")
-        routing.perm, routing.inv_perm = _permutation(routing)
+        if routing.perm is None:  # (the Router's kernels sort the copies when they pick the experts)
+            routing.perm, routing.inv_perm = _permutation(routing)
         if self.ep.size > 1:
             routing.exchange = ExpertExchange.plan("Dispatch", self.ep, routing.split_sizes, x2d.shape[1], x2d.dtype)
             routing.local_split_sizes = routing.exchange.local_counts
