@@ -6,7 +6,18 @@ Shapes: FC1 of the 8-expert MLP (T=16384 tokens, in 4096, out 2 x 7168, E=8, uni
 of the fine-grained MoE layer (T*k = 196608 rows, in 1536, out 2 x 256, E=128). Variants: ``fused``
 (ours: :mod:`fusible_ops.kernels.grouped_gemm`, one persistent Triton launch) and ``grouped_mm``
 (``torch._grouped_mm``, the baseline). Work: ``2 M N K`` FLOPs against the dense bf16 matmul
-ceiling of the run. FP8 variants (ours, ``torch._scaled_grouped_mm``) are not here yet.
+ceiling of the run.
+
+FP8 variants (on GPUs with FP8 tensor cores), E4M3 operands cast before the timed call (the GEMM
+alone), rated against the run's dense FP8 ceiling (``torch._scaled_mm``):
+
+* ``fp8_current`` -- ours, per-tensor scales (:mod:`fusible_ops.kernels.fp8_grouped_gemm`: forward and
+  dgrad read the weight and its per-group transposed copy, wgrad the column-wise copies);
+* ``fp8_block`` -- ours, block scales (1x128 tiles of the activations, 128x128 blocks of each
+  expert's weight), forward and dgrad;
+* ``torch_scaled_grouped_mm`` -- ``torch._scaled_grouped_mm`` with row-wise scales (per token row
+  and per weight row), forward and dgrad (its weight gradient takes scales per group of the
+  reduction, which this case does not build).
 """
 
 from __future__ import annotations
@@ -16,7 +27,11 @@ from typing import Iterator
 import torch
 
 from ..kernels import grouped_gemm as gg
-from .cases import CASES, Bench, BenchContext, Case, _init_, routing_splits
+from ..kernels.fp8_gemm import fp8_capable
+from ..kernels.fp8_grouped_gemm import fp8_grouped_mm, fp8_grouped_wgrad
+from ..quantization.casting import _cast_weight, quantize
+from ..quantization.recipes import Float8BlockScaling, Float8CurrentScaling
+from .cases import CASES, FP8_REL_ERR, Bench, BenchContext, Case, _init_, routing_splits
 
 SHAPES = {"fc1_8e": (16384, 4096, 2 * 7168, 8), "fc1_128e": (196608, 1536, 2 * 256, 128)}
 
@@ -30,24 +45,70 @@ def grouped_gemm(ctx: BenchContext) -> Iterator[Bench]:
         w = torch.empty(E, N, K, device=ctx.device, dtype=ctx.dtype)
         _init_(w)
 
-        def operands(rows_dim: int, cols_dim: int):
-            return lambda: ((ctx.randn(M, rows_dim), ctx.randn(M, cols_dim)), None)
+        fp8 = fp8_capable(ctx.device) and hasattr(torch, "_scaled_grouped_mm")
+        if fp8:
+            cur, blk = Float8CurrentScaling(), Float8BlockScaling()
+            wq = _cast_weight(None, w, cur, transposed=True, grouped=True)  # [E, N, K] and [E, K, N]
+            wb = _cast_weight(None, w, blk, transposed=True, grouped=True)
+            w_rows = _rowwise(w)  # (torch's row-wise scales: per row of the weight's [E, N, K] and [E, K, N])
+            wt_rows = _rowwise(w.transpose(1, 2).contiguous())
+
+        def operands(rows_dim: int, cols_dim: int, kind: str):
+            """(a [M, rows_dim], b [M, cols_dim]) and, for the FP8 variants, their casts."""
+            def new_copy():
+                a, b = ctx.randn(M, rows_dim), ctx.randn(M, cols_dim)
+                if not fp8:
+                    return (a, b), None
+                role = "input" if kind == "fwd" else "grad_output"
+                if kind == "wgrad":  # the column-wise copies of dy and x
+                    extra = (*quantize(a, cur, role, transposed=True).colwise,
+                             *quantize(b, cur, "input", transposed=True).colwise)
+                else:
+                    extra = (*quantize(a, cur, role).rowwise, *quantize(a, blk, role).rowwise, *_rowwise(a))
+                return (a, b, *extra), None
+            return new_copy
+
+        def fp8_variants(kind: str) -> dict:
+            if not fp8:
+                return {}
+            if kind == "wgrad":
+                return {"fp8_current": lambda a, b, at, sat, bt, sbt: fp8_grouped_wgrad((at, sat), (bt, sbt), splits)}
+            weight, block, rows = (wq.rowwise, wb.rowwise, w_rows) if kind == "fwd" else \
+                (wq.colwise, wb.colwise, wt_rows)
+            return {
+                "fp8_current": lambda a, b, q, s, *_: fp8_grouped_mm((q, s), weight, splits, ctx.dtype),
+                "fp8_block": lambda a, b, q, s, qb, sb, *_: fp8_grouped_mm((qb, sb), block, splits, ctx.dtype),
+                "torch_scaled_grouped_mm": lambda a, b, q, s, qb, sb, qr, sr: torch._scaled_grouped_mm(
+                    qr, rows[0].transpose(-2, -1), sr, rows[1], offs=offs, out_dtype=ctx.dtype, use_fast_accum=True),
+            }
 
         gemms = {  # config -> (inputs (a, b) of M rows, ours, torch._grouped_mm)
-            "fwd": (operands(K, N), lambda x, _: gg.grouped_gemm_fwd(x, w, splits),
-                    lambda x, _: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)),
-            "dgrad": (operands(N, K), lambda dy, _: gg.grouped_gemm_dgrad(dy, w, splits),
-                      lambda dy, _: torch._grouped_mm(dy, w, offs=offs)),
-            "wgrad": (operands(N, K), lambda dy, x: gg.grouped_gemm_wgrad(dy, x, splits),
-                      lambda dy, x: torch._grouped_mm(dy.t(), x, offs=offs)),
+            "fwd": (operands(K, N, "fwd"), lambda x, *_: gg.grouped_gemm_fwd(x, w, splits),
+                    lambda x, *_: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)),
+            "dgrad": (operands(N, K, "dgrad"), lambda dy, *_: gg.grouped_gemm_dgrad(dy, w, splits),
+                      lambda dy, *_: torch._grouped_mm(dy, w, offs=offs)),
+            "wgrad": (operands(N, K, "wgrad"), lambda dy, x, *_: gg.grouped_gemm_wgrad(dy, x, splits),
+                      lambda dy, x, *_: torch._grouped_mm(dy.t(), x, offs=offs)),
         }
         for kind, (new_copy, ours, peer) in gemms.items():
+            extra = fp8_variants(kind)
             yield Bench(
                 case="grouped_gemm", config=f"{name}_{kind}", shape=f"M={M} K={K} N={N} E={E}", dtype=ctx.dtype,
                 metric="flops", work=2.0 * M * N * K, new_copy=new_copy, params=[],
-                variants={"fused": ours, "grouped_mm": peer}, fused_module=None, plan_args=lambda inp: inp,
-                baseline="grouped_mm", notes={"fused": "fusible_ops.kernels.grouped_gemm (persistent Triton)",
-                                              "grouped_mm": "torch._grouped_mm"})
+                variants={"fused": ours, "grouped_mm": peer, **extra}, fused_module=None, plan_args=lambda inp: inp,
+                baseline="grouped_mm", tolerances=dict.fromkeys(extra, FP8_REL_ERR),
+                notes={"fused": "fusible_ops.kernels.grouped_gemm (persistent Triton)",
+                       "grouped_mm": "torch._grouped_mm", "fp8_current": "ours, per-tensor E4M3",
+                       "fp8_block": "ours, 1x128 / 128x128 block scales",
+                       "torch_scaled_grouped_mm": "torch._scaled_grouped_mm, row-wise scales, fast accumulation"})
+
+
+def _rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 bytes of ``x`` [..., K] with one fp32 scale per row (what ``torch._scaled_grouped_mm``
+    takes: ``scale_inv`` [...], value = byte * scale_inv)."""
+    amax = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12)
+    scale = 448.0 / amax
+    return (x.float() * scale).to(torch.float8_e4m3fn), (1.0 / scale).squeeze(-1).contiguous()
 
 
 CASES.update({  # (registered into the harness's catalogue when fusible_ops.bench is imported)

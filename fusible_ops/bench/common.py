@@ -11,7 +11,7 @@ import sys
 import torch
 
 
-FP8_PEERS = ("torchao",)
+FP8_PEERS = ("torchao", "torch_scaled")
 """Name prefixes of peer variants that train in FP8."""
 
 

@@ -4,8 +4,9 @@
 ``python -m fusible_ops.bench --from DIR --report BENCHMARKS.md`` writes it again from the JSON lines
 that run left in ``DIR`` (no timing). The page holds the run's device, driver, versions, date and
 command, the ceilings measured in that run, one table per case family (every variant's time, its
-rate as % of its ceiling, its peak memory, and how much faster the fused variant is), the fused
-variants' shortfalls (any peer faster) and plots (matplotlib, the ``bench`` extra: PNGs under
+rate as % of its ceiling, its peak memory, and how much faster the fused variant is), the issues'
+performance targets with the measured figures, the fused variants' shortfalls (any peer faster)
+and plots (matplotlib, the ``bench`` extra: PNGs under
 ``docs/img/`` beside the page; without matplotlib the page says so and has no plots).
 """
 
@@ -18,6 +19,7 @@ import os
 from typing import Optional
 
 from .common import is_fp8_variant
+from .targets import target_lines
 
 FAMILIES = [
     ("Elementwise and normalization", ("bias_gelu", "swiglu", "residual_rmsnorm", "gelu_dropout", "layernorm",
@@ -33,7 +35,8 @@ FAMILIES = [
 """(title, cases) of each table, in page order; cases of no family go to a last "Other" table."""
 
 PEER_LABELS = {"eager": "eager PyTorch", "compile": "torch.compile", "eager_loop": "per-expert loop",
-               "compile_loop": "compiled loop", "grouped_mm": "torch._grouped_mm", "liger": "Liger-Kernel"}
+               "compile_loop": "compiled loop", "grouped_mm": "torch._grouped_mm", "liger": "Liger-Kernel",
+               "torch_scaled_grouped_mm": "torch._scaled_grouped_mm"}
 
 
 def load_rows(out_dir: str) -> list[dict]:
@@ -234,6 +237,12 @@ def write_report(rows: list[dict], page: str) -> str:
         "## Summary",
         "",
         *_summary(groups),
+        "",
+        "## Targets",
+        "",
+        "The open issues' performance targets (`fusible_ops/bench/targets.py`) against these rows:",
+        "",
+        *target_lines(groups),
     ]
     families = list(FAMILIES)
     known = {c for _, cases in FAMILIES for c in cases}

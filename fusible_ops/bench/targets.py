@@ -1,0 +1,85 @@
+"""The open performance targets of the project's issues, checked against a run's rows.
+
+Each target reads the rows the results page is written from (:mod:`.report`); a target whose
+rows are not in the run says so rather than guessing. The page lists every target with its
+measured figure and whether it holds.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+Groups = dict  # (case, config) -> {variant: row}
+
+
+def _get(groups: Groups, case: str, config: str, variant: str, key: str) -> Optional[float]:
+    try:
+        v = float(groups[(case, config)][variant][key])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return v if v == v else None
+
+
+def rate(case: str, config: str, variant: str, goal: float, key: str = "tflops", unit: str = " TFLOP/s"):
+    """The variant's rate (``key``) is at least ``goal``."""
+    def check(groups: Groups):
+        v = _get(groups, case, config, variant, key)
+        return None if v is None else (f"{v:.1f}{unit}", v >= goal)
+    return check
+
+
+def pct(case: str, config: str, variant: str, goal: float):
+    """The variant reaches ``goal`` % of its ceiling (measured in its run)."""
+    return rate(case, config, variant, goal, "pct_of_ceiling", "%")
+
+
+def faster(case: str, config: str, variant: str, than: str, goal: float):
+    """``than``'s time / ``variant``'s time is at least ``goal``."""
+    def check(groups: Groups):
+        a, b = _get(groups, case, config, variant, "median_ms"), _get(groups, case, config, than, "median_ms")
+        return None if a is None or b is None else (f"{b / a:.2f}x ({a:.3f} vs {b:.3f} ms)", b / a >= goal)
+    return check
+
+
+TARGETS: list[tuple[int, str, Callable]] = [
+    (44, "MoE layer E128 H1536 bf16 fwd+bwd >= 450 TFLOP/s", rate("moe_layer", "E128_k8_H1536", "fused", 450)),
+    (44, "MoE layer E128 H2048 bf16 >= 520 TFLOP/s", rate("moe_layer", "E128_k8_H2048", "fused", 520)),
+    (44, "MoE layer E8 H4096 bf16 >= 620 TFLOP/s", rate("moe_layer", "E8_k2_H4096", "fused", 620)),
+    (44, "MoE layer E8 H4096 FP8 current >= 1.3x our bf16", faster("moe_layer", "E8_k2_H4096", "fp8_current", "fused", 1.3)),
+    *[(44, f"8-expert FC1 {g}, bf16 >= 90% of the dense bf16 ceiling", pct("grouped_gemm", f"fc1_8e_{g}", "fused", 90))
+      for g in ("fwd", "dgrad", "wgrad")],
+    *[(44, f"8-expert FC1 {g}, FP8 >= 90% of the dense FP8 ceiling", pct("grouped_gemm", f"fc1_8e_{g}", "fp8_current", 90))
+      for g in ("fwd", "dgrad", "wgrad")],
+    *[(44, f"8-expert FC1 {g}, FP8 >= 1.05x torch._scaled_grouped_mm",
+       faster("grouped_gemm", f"fc1_8e_{g}", "fp8_current", "torch_scaled_grouped_mm", 1.05)) for g in ("fwd", "dgrad")],
+    (44, "8-expert FC1 wgrad, FP8 >= 850 TFLOP/s", rate("grouped_gemm", "fc1_8e_wgrad", "fp8_current", 850)),
+    (44, "8-expert FC1 fwd, FP8 block-scaled >= 1000 TFLOP/s", rate("grouped_gemm", "fc1_8e_fwd", "fp8_block", 1000)),
+    (44, "grouped MLP 64e, FP8 current >= 1.25x our bf16 graphed",
+     faster("grouped_mlp_64e", "uniform", "graphed_fp8", "graphed", 1.25)),
+    (44, "grouped MLP 8e, FP8 block >= 1.2x our bf16", faster("grouped_mlp_8e", "uniform", "fp8_block", "fused", 1.2)),
+    (42, "d=4096 stack: ours eager >= 1.03x torch.compile", faster("dense_layers", "L2_d4096", "fused", "compile", 1.03)),
+    (42, "d=4096 stack: ours + compile >= 1.03x torch.compile",
+     faster("dense_layers", "L2_d4096", "fused_compile", "compile", 1.03)),
+    (42, "d=4096 stack: FP8 current eager >= 1.45x torch.compile bf16",
+     faster("dense_layers", "L2_d4096", "fp8_current", "compile", 1.45)),
+    (42, "d=4096 stack: FP8 current >= 1.2x torchao tensorwise + compile",
+     faster("dense_layers", "L2_d4096", "fp8_current", "torchao_tensorwise_compile", 1.2)),
+    (42, "d=2048 stack: FP8 eager >= 1.15x our bf16 eager", faster("dense_layers", "L4_d2048", "fp8_current", "fused", 1.15)),
+    (42, "d=2048 stack: FP8 graphed >= 1.3x our bf16 graphed",
+     faster("dense_layers", "L4_d2048", "graphed_fp8", "graphed", 1.3)),
+]
+"""(issue, target, check): ``check(groups)`` gives ``(measured, met)``, or None when the rows
+it needs are not in the run."""
+
+
+def target_lines(groups: Groups) -> list[str]:
+    """The page's table of targets: measured figure and whether it holds."""
+    lines = ["| issue | target | measured | met |", "|---:|---|---|---|"]
+    for issue, what, check in TARGETS:
+        got = check(groups)
+        measured, met = ("not in this run", "-") if got is None else (got[0], "yes" if got[1] else "**no**")
+        lines.append(f"| {issue} | {what} | {measured} | {met} |")
+    return lines
+
+
+__all__ = ["TARGETS", "faster", "pct", "rate", "target_lines"]
