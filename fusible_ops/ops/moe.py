@@ -372,8 +372,11 @@ class Router(WeightGradMixin, BasicOperation):
                             out_dtype=self.weight.dtype if lowp else logits.dtype)
         dx = None
         if ctx.input_requires_grad:
-            dx = (dl @ w.to(dl.dtype)).to(w.dtype).reshape(ctx.input_shape)
-            dx = dx if dy is None else dy + dx
+            if dy is not None and dy.dtype == dl.dtype == w.dtype:  # Dispatch's gradient added by the GEMM
+                dx = torch.addmm(dy.reshape(-1, w.shape[1]), dl, w).reshape(ctx.input_shape)
+            else:
+                dx = (dl @ w.to(dl.dtype)).to(w.dtype).reshape(ctx.input_shape)
+                dx = dx if dy is None else dy + dx
         dw = None
         if ctx.weight_grad:
             xf = x2d.to(dl.dtype)
