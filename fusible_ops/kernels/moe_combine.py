@@ -12,6 +12,8 @@ permutation of ``0..N-1``, e.g. :class:`~fusible_ops.ops.moe.Routing`'s ``inv_pe
 * :func:`combine_bwd` -- Combine's backward in one pass over ``dy``:
   ``dsrc[index[t, j]] = w[t, j] * dy[t]`` and ``dprobs[t, j] = <dy[t], src[index[t, j]]>``
   (either can be skipped).
+* :func:`gather_rows` -- gathered rows (``x[index]``, any dtype, bytes moved):
+  :class:`~fusible_ops.ops.moe.Dispatch`'s forward, the token copies in expert order.
 * :func:`gather_rows_t` -- gathered rows, transposed (``x[index].T``, any dtype, bytes moved):
   the column-wise FP8 token copies FC1's FP8 weight gradient reads.
 
@@ -103,7 +105,19 @@ if HAS_TRITON:
         v = tl.load(x_ptr + rows[None, :] * s_x + offs_k[:, None], mask=mask)
         tl.store(out_ptr + offs_k.to(tl.int64)[:, None] * s_o + offs_m[None, :], v, mask=mask)
 
+    @triton.jit
+    def _gather_rows_kernel(x_ptr, idx_ptr, out_ptr, M, K, s_x, s_o, BM: tl.constexpr, BK: tl.constexpr):
+        """Grid (cdiv(M, BM), cdiv(K, BK)): out[m-block, k-block] = x[idx[m-block], k-block]."""
+        offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+        offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
+        mmask = offs_m < M
+        mask = mmask[:, None] & (offs_k < K)[None, :]
+        rows = tl.load(idx_ptr + offs_m, mask=mmask, other=0).to(tl.int64)
+        v = tl.load(x_ptr + rows[:, None] * s_x + offs_k[None, :], mask=mask)
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * s_o + offs_k[None, :], v, mask=mask)
+
     _GATHER_SUM = DirectKernel(_gather_sum_kernel)
+    _GATHER_ROWS = DirectKernel(_gather_rows_kernel)
     _COMBINE_BWD = DirectKernel(_combine_bwd_kernel)
     _GATHER_ROWS_T = DirectKernel(_gather_rows_t_kernel)
 
@@ -188,6 +202,41 @@ def _(dy, src, index, weight, n_rows):
             dy.new_empty((t, k) if src is not None else (0, k), dtype=torch.float32))
 
 
+ROWS_TILE = 8192  # bytes per row-gather program
+
+
+def _rows_geometry(m: int, k: int, itemsize: int, on_cpu: bool) -> tuple:
+    """(BM, BK): BK the widest power of 2 up to 1024 elements dividing the row (no masked column
+    lanes), BM rows to fill ``ROWS_TILE`` bytes."""
+    key = ("rows", m, k, itemsize, on_cpu, ROWS_TILE)
+    g = _GEOMETRY.get(key)
+    if g is None:
+        bk = min(16 if on_cpu else 1024, next_pow2(k))
+        while bk > 16 and k % bk:
+            bk //= 2
+        bm = max(1, min(ROWS_TILE // (bk * itemsize), next_pow2(max(m, 1))))
+        g = remember(_GEOMETRY, key, (bm, bk))
+    return g
+
+
+@kernel_op("fusible_ops::moe_gather_rows", mutates_args=())
+def _gather_rows_op(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    m, k = index.shape[0], x.shape[1]
+    out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    if m == 0 or k == 0:
+        return out
+    bm, bk = _rows_geometry(m, k, x.element_size(), not x.is_cuda)
+    args = (x, index, out, m, k, x.stride(0), out.stride(0))
+    meta = dict(BM=bm, BK=bk, num_warps=4)
+    _GATHER_ROWS((cdiv(m, bm), cdiv(k, bk)), (x.device, x.dtype, m, k, x.stride(0), bm, bk), args, meta)
+    return out
+
+
+@_gather_rows_op.register_fake
+def _(x, index):
+    return x.new_empty((index.shape[0], x.shape[1]))
+
+
 @kernel_op("fusible_ops::moe_gather_rows_t", mutates_args=())
 def _gather_rows_t_op(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     m, k = index.shape[0], x.shape[1]
@@ -239,6 +288,23 @@ def combine_bwd(dy: torch.Tensor, src: Optional[torch.Tensor], index: torch.Tens
     return combine_bwd_ref(dy, src, index, weight)
 
 
+def _check_rows_index(index: torch.Tensor) -> None:
+    if index.dim() != 1 or index.dtype != torch.int64:
+        raise ValueError(f"index must be 1-D int64, got {list(index.shape)} {index.dtype}")
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(0, index)`` ([M, K], x's dtype) in one pass at copy bandwidth: a MoE
+    layer's token copies in expert order. Any dtype (bytes are moved, never converted); x [N, K],
+    index [M] int64 with values in [0, N) (not checked: a check would sync)."""
+    x = as_rows(x)
+    _check_rows_index(index)
+    if use_triton(x, index) and x.element_size() in (1, 2, 4):
+        view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()]  # bytes, not values
+        return _gather_rows_op(x.view(view), index.contiguous()).view(x.dtype)
+    return gather_rows_ref(x, index)
+
+
 def gather_rows_t(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x.index_select(0, index).t().contiguous()`` in one pass ([K, M], x's dtype): the column-wise
     layout of gathered rows, e.g. a MoE layer's FP8 token copies for an FP8 weight gradient (which
@@ -246,8 +312,7 @@ def gather_rows_t(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     (bytes are moved, never converted: FP8 data stay bit-exact); x [N, K], index [M] int64 with
     values in [0, N) (not checked)."""
     x = as_rows(x)
-    if index.dim() != 1 or index.dtype != torch.int64:
-        raise ValueError(f"index must be 1-D int64, got {list(index.shape)} {index.dtype}")
+    _check_rows_index(index)
     if use_triton(x, index) and x.element_size() in (1, 2, 4):
         view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()]  # bytes, not values
         return _gather_rows_t_op(x.view(view), index.contiguous()).view(x.dtype)
@@ -255,6 +320,11 @@ def gather_rows_t(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- references
+def gather_rows_ref(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Pure-torch twin of :func:`gather_rows`."""
+    return x.index_select(0, index)
+
+
 def gather_rows_t_ref(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Pure-torch twin of :func:`gather_rows_t`."""
     return x.index_select(0, index).t().contiguous()
@@ -287,4 +357,4 @@ def combine_bwd_ref(dy: torch.Tensor, src: Optional[torch.Tensor], index: torch.
     return dsrc, dprobs
 
 
-__all__ = ["combine_bwd", "combine_bwd_ref", "gather_rows_t", "gather_rows_t_ref", "gather_sum", "gather_sum_ref"]
+__all__ = ["combine_bwd", "combine_bwd_ref", "gather_rows", "gather_rows_ref", "gather_rows_t", "gather_rows_t_ref", "gather_sum", "gather_sum_ref"]

@@ -147,6 +147,31 @@ def test_gather_rows_t_moves_bytes_exactly(dtype, n, m, k):
         mc.gather_rows_t(x, index.to(torch.int32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("n,m,k", [(1, 1, 1), (9, 31, 37), (40, 100, 48), (5, 3, 1536)])
+def test_gather_rows_moves_bytes_exactly(dtype, n, m, k, monkeypatch):
+    monkeypatch.setattr(mc, "ROWS_TILE", 256)  # several row blocks
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(n, k + 5, generator=g) * 4)[:, :k].to(DEV).to(dtype)  # strided rows
+    index = torch.randint(0, n, (m,), generator=g).to(DEV)
+    want = x.index_select(0, index)
+    for mode in ("triton", "reference"):
+        got = _run(mc.gather_rows, mode, x, index)
+        assert got.dtype == dtype and got.shape == (m, k) and got.is_contiguous()
+        assert torch.equal(got.view(torch.uint8) if dtype.itemsize == 1 else got,
+                           want.view(torch.uint8) if dtype.itemsize == 1 else want)
+    assert _run(mc.gather_rows, "triton", x, index[:0]).shape == (0, k)
+    with pytest.raises(ValueError, match="index must be 1-D int64"):
+        mc.gather_rows(x, index.view(-1, 1))
+
+
+@pytest.mark.gpu
+def test_gpu_gather_rows_large():
+    x = torch.randn(24576, 1536, device="cuda", dtype=torch.bfloat16)
+    index = torch.randint(0, 24576, (196611,), device="cuda")
+    assert torch.equal(mc.gather_rows(x, index), x.index_select(0, index))
+
+
 @pytest.mark.gpu
 def test_gpu_gather_rows_t_large_fp8():
     x = torch.randn(3000, 1536, device="cuda").to(torch.float8_e4m3fn)
