@@ -219,17 +219,27 @@ def _rows_geometry(m: int, k: int, itemsize: int, on_cpu: bool) -> tuple:
     return g
 
 
-@kernel_op("fusible_ops::moe_gather_rows", mutates_args=())
-def _gather_rows_op(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def _launch_rows(x: torch.Tensor, index: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``x[index]`` ([M, K]) or its transpose ([K, M]), one launch."""
     m, k = index.shape[0], x.shape[1]
-    out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    out = torch.empty((k, m) if transposed else (m, k), dtype=x.dtype, device=x.device)
     if m == 0 or k == 0:
         return out
-    bm, bk = _rows_geometry(m, k, x.element_size(), not x.is_cuda)
+    if transposed:
+        bm = bk = 16 if not x.is_cuda else 64
+        kernel = _GATHER_ROWS_T
+    else:
+        bm, bk = _rows_geometry(m, k, x.element_size(), not x.is_cuda)
+        kernel = _GATHER_ROWS
     args = (x, index, out, m, k, x.stride(0), out.stride(0))
-    meta = dict(BM=bm, BK=bk, num_warps=4)
-    _GATHER_ROWS((cdiv(m, bm), cdiv(k, bk)), (x.device, x.dtype, m, k, x.stride(0), bm, bk), args, meta)
+    kernel((cdiv(m, bm), cdiv(k, bk)), (x.device, x.dtype, m, k, x.stride(0), bm, bk), args,
+           dict(BM=bm, BK=bk, num_warps=4))
     return out
+
+
+@kernel_op("fusible_ops::moe_gather_rows", mutates_args=())
+def _gather_rows_op(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return _launch_rows(x, index, False)
 
 
 @_gather_rows_op.register_fake
@@ -239,15 +249,7 @@ def _(x, index):
 
 @kernel_op("fusible_ops::moe_gather_rows_t", mutates_args=())
 def _gather_rows_t_op(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    m, k = index.shape[0], x.shape[1]
-    out = torch.empty((k, m), dtype=x.dtype, device=x.device)
-    if m == 0 or k == 0:
-        return out
-    bm = bk = 16 if not x.is_cuda else 64
-    args = (x, index, out, m, k, x.stride(0), out.stride(0))
-    meta = dict(BM=bm, BK=bk, num_warps=4)
-    _GATHER_ROWS_T((cdiv(m, bm), cdiv(k, bk)), (x.device, x.dtype, m, k, x.stride(0), bm), args, meta)
-    return out
+    return _launch_rows(x, index, True)
 
 
 @_gather_rows_t_op.register_fake
@@ -288,21 +290,22 @@ def combine_bwd(dy: torch.Tensor, src: Optional[torch.Tensor], index: torch.Tens
     return combine_bwd_ref(dy, src, index, weight)
 
 
-def _check_rows_index(index: torch.Tensor) -> None:
+def _rows_call(x: torch.Tensor, index: torch.Tensor, op, ref) -> torch.Tensor:
+    """Run a row-gather op on ``x``'s bytes (values are never converted: FP8 stays bit-exact)."""
+    x = as_rows(x)
     if index.dim() != 1 or index.dtype != torch.int64:
         raise ValueError(f"index must be 1-D int64, got {list(index.shape)} {index.dtype}")
+    if use_triton(x, index) and x.element_size() in (1, 2, 4):
+        view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()]
+        return op(x.view(view), index.contiguous()).view(x.dtype)
+    return ref(x, index)
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x.index_select(0, index)`` ([M, K], x's dtype) in one pass at copy bandwidth: a MoE
     layer's token copies in expert order. Any dtype (bytes are moved, never converted); x [N, K],
     index [M] int64 with values in [0, N) (not checked: a check would sync)."""
-    x = as_rows(x)
-    _check_rows_index(index)
-    if use_triton(x, index) and x.element_size() in (1, 2, 4):
-        view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()]  # bytes, not values
-        return _gather_rows_op(x.view(view), index.contiguous()).view(x.dtype)
-    return gather_rows_ref(x, index)
+    return _rows_call(x, index, _gather_rows_op, gather_rows_ref)
 
 
 def gather_rows_t(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -311,12 +314,7 @@ def gather_rows_t(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     needs both operands contiguous along the rows), with no gathered copy in between. Any dtype
     (bytes are moved, never converted: FP8 data stay bit-exact); x [N, K], index [M] int64 with
     values in [0, N) (not checked)."""
-    x = as_rows(x)
-    _check_rows_index(index)
-    if use_triton(x, index) and x.element_size() in (1, 2, 4):
-        view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()]  # bytes, not values
-        return _gather_rows_t_op(x.view(view), index.contiguous()).view(x.dtype)
-    return gather_rows_t_ref(x, index)
+    return _rows_call(x, index, _gather_rows_t_op, gather_rows_t_ref)
 
 
 # ----------------------------------------------------------------------------- references
