@@ -44,14 +44,10 @@ from ..kernels.moe_router import route, router_dlogits
 from ..op import BasicOperation
 from .comm import GroupRef
 from .grouped_linear import GroupedLinear
-from .moe_ep import ExpertExchange, from_experts_autograd, to_experts_autograd
+from .moe_ep import ExpertExchange, RoutingError, check_layout, from_experts_autograd, to_experts_autograd
 from .validation import check_input
 
 SCORES = ("softmax", "sigmoid")
-
-
-class RoutingError(ValueError):
-    """Routing ops placed so that the routing cannot reach every op that needs it."""
 
 
 class Routing:
@@ -64,7 +60,7 @@ class Routing:
     routed ops' split sizes)."""
 
     __slots__ = ("num_experts", "top_k", "token_shape", "expert_ids", "probs", "split_sizes", "perm",
-                 "inv_perm", "probs_grad", "dprobs", "selection_tol", "exchange", "local_split_sizes")
+                 "inv_perm", "probs_grad", "dprobs", "selection_tol", "exchange", "local_split_sizes", "ep_error")
 
     def __init__(self, num_experts: int, top_k: int) -> None:
         self.num_experts, self.top_k = num_experts, top_k
@@ -72,6 +68,7 @@ class Routing:
         self.perm = self.inv_perm = self.dprobs = self.exchange = self.local_split_sizes = None
         self.probs_grad = False
         self.selection_tol = None  # (rtol, atol) when expert_ids are given to a reference run
+        self.ep_error = None  # an expert-parallel layout error, raised on every rank by the Dispatch
 
     @property
     def num_tokens(self) -> int:
@@ -87,7 +84,10 @@ class RoutingLayout:
     the Dispatch is expert parallel), else ``()``. ``ep_sizes[r]``: layer r's expert-parallel
     group size. Raises :class:`RoutingError` naming the ops when a Router, Dispatch or Combine
     lacks its partners in this run, the experts do not split evenly over the Dispatch's EP group,
-    or a routed ``GroupedLinear`` has a number of groups other than ``num_experts / ep_size``.
+    or a routed ``GroupedLinear`` has a number of groups other than ``num_experts / ep_size``. With
+    an expert-parallel group (2+ ranks) the last two are kept in ``ep_errors[r]`` instead: a rank
+    that raised alone would leave its peers waiting in the exchange, so the Dispatch raises them on
+    every rank of the group (:func:`~fusible_ops.ops.moe_ep.check_layout`).
     """
 
     def __init__(self, ops) -> None:
@@ -96,6 +96,7 @@ class RoutingLayout:
         self.feeds: list[tuple] = [()] * n
         self.layers: list[tuple[int, int]] = []  # (num_experts, top_k) per region
         self.ep_sizes: list[int] = []  # expert-parallel group size per region
+        self.ep_errors: list[Optional[str]] = []  # per region: a layout error the EP group raises together
         name = [f"{type(op).__name__} (basic op {i} of the fuser)" for i, op in enumerate(ops)]
         state, router = "out", None
         for i, op in enumerate(ops):
@@ -105,6 +106,7 @@ class RoutingLayout:
                     raise RoutingError(f"{name[i]} comes before the Combine of {name[router]}: MoE layers do not nest")
                 state, router = "routed", i
                 self.layers.append((op.num_experts, op.top_k))
+                self.ep_errors.append(None)
             elif role == "dispatch" and state != "routed":
                 raise RoutingError(f"{name[i]} has no Router before it in the same fuser" if state == "out" else
                                    f"{name[i]}: a second Dispatch after the one of {name[router]}")
@@ -112,8 +114,8 @@ class RoutingLayout:
                 state, ep = "dispatched", getattr(op, "ep_size", 1)
                 self.ep_sizes.append(ep)
                 if ops[router].num_experts % ep:
-                    raise RoutingError(f"{name[i]}: the {ops[router].num_experts} experts of {name[router]} do not "
-                                       f"split evenly over its expert-parallel group of {ep} ranks")
+                    self._ep_error(f"{name[i]}: the {ops[router].num_experts} experts of {name[router]} do not "
+                                   f"split evenly over its expert-parallel group of {ep} ranks")
             elif role == "combine" and state != "dispatched":
                 raise RoutingError(f"{name[i]} has no Dispatch (after a Router) before it in the same fuser")
             elif role == "combine":
@@ -124,8 +126,8 @@ class RoutingLayout:
                 experts, ep = ops[router].num_experts, self.ep_sizes[-1]
                 if op.num_groups != experts // ep:
                     where = f" over an expert-parallel group of {ep} ranks ({experts // ep} local)" if ep > 1 else ""
-                    raise RoutingError(f"{name[i]} is routed by {name[router]} but has {op.num_groups} groups "
-                                       f"for {experts} experts{where}")
+                    self._ep_error(f"{name[i]} is routed by {name[router]} but has {op.num_groups} groups "
+                                   f"for {experts} experts{where}")
                 self.feeds[i] = ("split_sizes",) if ep == 1 else ("local_split_sizes",)
             if role is not None or state != "out":
                 self.region[i] = len(self.layers) - 1
@@ -135,13 +137,23 @@ class RoutingLayout:
                                f"Combine must run in one fuser (a module with hooks or a non-fusible module "
                                f"between them splits it)")
 
+    def _ep_error(self, message: str) -> None:
+        """Raise now, or with an expert-parallel group keep the first error for the Dispatch."""
+        if self.ep_sizes[-1] == 1:
+            raise RoutingError(message)
+        if self.ep_errors[-1] is None:
+            self.ep_errors[-1] = message
+
     def extra_input_counts(self, ops) -> list[int]:
         """Each op's user-given extra inputs (routed ops get theirs from the routing)."""
         return [0 if f else op.num_extra_inputs for op, f in zip(ops, self.feeds)]
 
     def new_routings(self) -> list[Routing]:
         """One empty :class:`Routing` per MoE layer (per call, per pass)."""
-        return [Routing(e, k) for e, k in self.layers]
+        routings = [Routing(e, k) for e, k in self.layers]
+        for r, error in zip(routings, self.ep_errors):
+            r.ep_error = error
+        return routings
 
 
 def routing_layout(ops) -> Optional[RoutingLayout]:
@@ -411,6 +423,7 @@ class Dispatch(BasicOperation):
     def __init__(self, ep_group=None) -> None:
         super().__init__()
         self.ep = GroupRef("Dispatch", ep_group, none_ok=True)
+        self._layout_checked = False  # (expert parallel: every rank's layout compared on the first call)
 
     @property
     def ep_size(self) -> int:
@@ -436,6 +449,9 @@ class Dispatch(BasicOperation):
         if routing.perm is None:  # (the Router's kernels sort the copies when they pick the experts)
             routing.perm, routing.inv_perm = _permutation(routing)
         if self.ep.size > 1:
+            if routing.ep_error is not None or not self._layout_checked:
+                check_layout("Dispatch", self.ep, routing.num_experts, routing.ep_error, x2d.device)
+                self._layout_checked = True
             routing.exchange = ExpertExchange.plan("Dispatch", self.ep, routing.split_sizes, x2d.shape[1], x2d.dtype)
             routing.local_split_sizes = routing.exchange.local_counts
         return x2d

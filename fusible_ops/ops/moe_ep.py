@@ -26,6 +26,8 @@ With NCCL, ``torch.ops.symm_mem.all_to_all_vdev`` (device-side counts) could lif
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -33,6 +35,32 @@ from .comm import GroupRef
 from .validation import FLOAT_DTYPES
 
 _DTYPE_CODE = {d: i for i, d in enumerate(FLOAT_DTYPES)}
+
+
+class RoutingError(ValueError):
+    """Routing ops placed so that the routing cannot reach every op that needs it (or, expert
+    parallel, so that the ranks of the group cannot exchange the copies)."""
+
+
+def check_layout(owner: str, ref: GroupRef, experts: int, error: Optional[str], device: torch.device) -> None:
+    """Every rank of the expert-parallel group compares its MoE layer with the others' (collective,
+    one small all-gather and a host sync; the Dispatch runs it on its first call, and on every call
+    while a rank has an error): the number of experts, and the layout error this rank found, if
+    any (:class:`~fusible_ops.ops.moe.RoutingLayout`'s ``ep_errors``). Raises the same
+    :class:`RoutingError` on every rank when any rank has an error or the ranks disagree, so no
+    rank is left waiting in an exchange its peers never join."""
+    mine = torch.tensor([experts, 0 if error is None else 1], dtype=torch.int64, device=device)
+    every = torch.empty(ref.size * 2, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine, group=ref.group)
+    rows = every.view(ref.size, 2).tolist()  # the host sync (first call only, when all is well)
+    if not any(flag for _, flag in rows) and len({e for e, _ in rows}) == 1:
+        return
+    messages = [None] * ref.size
+    dist.all_gather_object(messages, error, group=ref.group)
+    said = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+    counts = ", ".join(f"rank {r}: {e}" for r, (e, _) in enumerate(rows))
+    raise RoutingError(f"{owner}: the expert-parallel group ({ref.size} ranks) cannot run this MoE layer: "
+                       + (said if said else f"the ranks' Routers have different numbers of experts ({counts})"))
 
 
 def check_not_capturing(owner: str, ref: GroupRef) -> None:

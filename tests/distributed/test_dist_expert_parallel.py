@@ -123,6 +123,17 @@ def body_bad_input(rank, world, device):
     with pytest.raises(RoutingError, match=rf"GroupedLinear .* has {2 * world} groups for {2 * world} experts over an "
                                            rf"expert-parallel group of {world} ranks \(2 local\)"):
         _layer(2 * world, 2, ep_group=group, **factory)(torch.randn(3, H, **factory))
+    # one rank's layer is wrong (a routed GroupedLinear with the wrong group count): that rank alone
+    # finds it when its fuser is built; every rank raises it at the Dispatch, none is left waiting
+    odd = _layer(2 * world, 2, groups=3 if rank == 0 else 2, ep_group=group, **factory)
+    with pytest.raises(RoutingError, match=r"Dispatch: the expert-parallel group \(\d ranks\) cannot run this MoE "
+                                           r"layer: rank 0: GroupedLinear .* has 3 groups for \d experts"):
+        odd(torch.randn(3, H, **factory))
+    # ranks whose Routers have different numbers of experts (each layout fine on its own rank)
+    uneven = _layer(2 * world * (1 + (rank == 0)), 2, groups=2 * (1 + (rank == 0)), ep_group=group, **factory)
+    with pytest.raises(RoutingError, match=r"the ranks' Routers have different numbers of experts \(rank 0: "
+                                           rf"{4 * world}, rank 1: {2 * world}"):
+        uneven(torch.randn(3, H, **factory))
     # ranks passing different hidden sizes: the same error on every rank (no rank left in a collective)
     bad = _layer(2 * world, 2, groups=2, ep_group=group, hidden=H + rank, **factory)
     with pytest.raises(ValueError, match=r"Dispatch: the ranks of the expert-parallel group .* \(rank 0: hidden 8 "
