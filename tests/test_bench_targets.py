@@ -18,6 +18,13 @@ def test_rate_pct_and_faster_read_the_rows():
     assert tg.faster("c", "x", "fused", "peer", 1.2)(g)[1] is False
 
 
+def test_kept_memory_is_lower_is_better():
+    g = _groups(fused={"saved_mib": 30.0}, eager={"saved_mib": 100.0})
+    assert tg.kept("c", "x", "fused", "eager", 0.35)(g) == ("0.30x (30 vs 100 MiB)", True)
+    assert tg.kept("c", "x", "fused", "eager", 0.25)(g)[1] is False
+    assert tg.kept("c", "x", "fused", "other", 0.35)(g) is None
+
+
 def test_missing_rows_are_not_guessed():
     g = _groups(fused={"tflops": None, "median_ms": "nan"})
     assert tg.rate("c", "x", "fused", 1)(g) is None
@@ -26,3 +33,23 @@ def test_missing_rows_are_not_guessed():
     lines = tg.target_lines({})
     assert len(lines) == 2 + len(tg.TARGETS)
     assert all("not in this run" in line for line in lines[2:])
+
+
+def test_saved_mib_is_the_forward_memory_less_the_output(monkeypatch):
+    """The harness's kept-activation figure, with CUDA's memory counter stood in for (CPU run)."""
+    import torch
+
+    from fusible_ops.bench import harness
+
+    readings = iter([10 * 2**20, 10 * 2**20 + 3 * 2**20 + 4096])  # before, after the forward
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(readings))
+    out = torch.empty(1024)  # 4096 bytes: the output is not counted as kept
+
+    def fwd(x):
+        return out
+
+    x = torch.ones(1, requires_grad=True)
+    assert harness._saved_mib(fwd, (x,), [x], torch.device("cuda")) == 3.0
+    assert harness._saved_mib(fwd, (x,), [], torch.device("cuda")) is None  # forward-only bench
+    assert harness._saved_mib(fwd, (x,), [x], torch.device("cpu")) is None

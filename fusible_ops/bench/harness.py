@@ -62,7 +62,7 @@ FIELDS = [
     "bytes", "flops", "gbps",
     "tflops", "ceiling", "pct_of_ceiling", "speedup_vs_eager", "speedup_vs_grouped_mm", "rel_err",
     "rules_forward", "rules_backward", "expected_rules", "first_call_s", "copy_gbps", "matmul_tflops",
-    "autograd_floor_ms", "fp8_tflops", "peak_mib", "driver", "command", "quick", "note",
+    "autograd_floor_ms", "fp8_tflops", "peak_mib", "saved_mib", "driver", "command", "quick", "note",
 ]
 
 
@@ -292,6 +292,27 @@ def _peak_mib(call, device: torch.device) -> Optional[float]:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
+def _saved_mib(fn, inputs: tuple, targets: list, device: torch.device) -> Optional[float]:
+    """Memory one forward keeps for its backward (MiB; CUDA only): allocated with the output and its
+    autograd graph alive, above what was allocated before, less the output itself. None for a
+    forward-only bench."""
+    if device.type != "cuda" or not targets:
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    try:
+        y = fn(*inputs)
+    except Exception as e:  # (the variant was timed already: its row keeps its time)
+        _log(f"saved-memory forward failed: {_short_err(e)}")
+        return None
+    torch.cuda.synchronize(device)
+    held = torch.cuda.memory_allocated(device) - base
+    outs = y if isinstance(y, (tuple, list)) else (y,)
+    held -= sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
+    del y, outs
+    return held / 2**20
+
+
 def _plan_rules(bench) -> tuple[list[str], list[str]]:
     if bench.fused_module is None:  # (a case that times kernels alone: no plan)
         return [], []
@@ -372,7 +393,8 @@ def run_bench(bench, timer: Timer, ceilings: Ceilings, meta: dict, device: torch
             free_memory(device)
             continue
         row.update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, n_iters=t.n_iters, host_ms=t.host_ms,
-                   queue_ahead=timer.queue_ahead, peak_mib=_peak_mib(call, device))
+                   queue_ahead=timer.queue_ahead, peak_mib=_peak_mib(call, device),
+                   saved_mib=_saved_mib(fn, bench.copies[0][0], targets[0], device))
         if bench.metric == "bytes":
             row["gbps"] = bench.work / (t.median_ms * 1e-3) / 1e9
             row["pct_of_ceiling"] = 100.0 * row["gbps"] / ceilings.copy_gbps

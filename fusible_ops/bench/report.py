@@ -98,7 +98,7 @@ def _is_peer(name: str) -> bool:
 
 def _family_table(groups: dict, cases) -> list[str]:
     lines = ["| case | config | variant | median ms | p20-p80 | host ms | rate | % of ceiling | peak MiB "
-             "| time / fused | status |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| saved MiB | time / fused | status |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for (case, config), variants in groups.items():
         if case not in cases:
             continue
@@ -112,7 +112,8 @@ def _family_table(groups: dict, cases) -> list[str]:
             ratio = f"{sp[name]:.2f}x" if name in sp else ""
             status = r.get("status") or ""
             lines.append(f"| {case} | {config} | {name} | {_f(r.get('median_ms'))} | {p} | {_f(r.get('host_ms'))} "
-                         f"| {rate} | {pct} | {_f(r.get('peak_mib'), 0)} | {ratio} | {status if status != 'ok' else ''} |")
+                         f"| {rate} | {pct} | {_f(r.get('peak_mib'), 0)} | {_f(r.get('saved_mib'), 0)} | {ratio} "
+                         f"| {status if status != 'ok' else ''} |")
     return lines
 
 
@@ -232,7 +233,9 @@ def write_report(rows: list[dict], page: str) -> str:
         "timing, and the fused plan's rules were checked. `time / fused`: the row's time over the fused (bf16) "
         "variant's: above 1 the fused variant is that much faster; an FP8 or graphed row below 1 is that much "
         "faster than fused bf16. FP8 peers (torchao) are divided by our `fp8_current` instead. `peak MiB`: peak "
-        "memory of one call above what was allocated before it.",
+        "memory of one call above what was allocated before it. `saved MiB`: memory one forward keeps for its "
+        "backward (allocated with the output alive, less the output; empty in rows of runs before it was "
+        "measured).",
         "",
         "## Summary",
         "",
