@@ -245,3 +245,26 @@ def test_grouped_gemm_case_times_each_gemm_forward_only(tmp_path):
         assert r["status"] == "ok", r
         assert r["variant"] in ("fused", "grouped_mm") and r["metric"] == "flops" and r["tflops"] > 0
         assert r["rel_err"] < 2e-2
+
+
+def test_a_run_cut_short_keeps_the_rows_it_finished(tmp_path, monkeypatch):
+    """The JSON lines are rewritten after every bench: a run killed mid-way (a device call's time
+    limit) leaves the rows of the benches it finished."""
+    from fusible_ops.bench import harness
+
+    real, calls = harness.run_bench, []
+
+    def cut(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # (not an Exception: the harness does not catch it)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "run_bench", cut)
+    out = str(tmp_path / "r")
+    with pytest.raises(KeyboardInterrupt):
+        main(["bias_gelu", "swiglu", "--out", out, *QUICK])
+    (path,) = glob.glob(os.path.join(out, "bench_*.jsonl"))
+    rows = [json.loads(line) for line in open(path)]
+    assert {r["case"] for r in rows} == {"ceiling", "bias_gelu"}
+    assert {r["variant"] for r in rows if r["case"] == "bias_gelu"} >= {"fused", "eager"}
