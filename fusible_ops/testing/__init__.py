@@ -10,6 +10,7 @@
 * The one tolerance table by dtype (:data:`TOLERANCES`) and comparison helpers.
 * FP8: :func:`sqnr`, :func:`assert_sqnr`, the threshold table :data:`SQNR_DB` and
   :func:`quantized_reference` (:mod:`fusible_ops.testing.fp8`).
+* :func:`count_host_reads`: the host's reads of tensor data in a block (each a sync on a GPU).
 """
 
 from .reference import (
@@ -17,6 +18,7 @@ from .reference import (
     run_unfused,
 )
 from .fp8 import SQNR_DB, assert_sqnr, quantized_reference, sqnr
+from .host_reads import HostReads, count_host_reads
 from .tolerances import (
     BASELINE_ATOL, BASELINE_FACTOR, NORM_TOLERANCES, TOLERANCES, assert_close, assert_close_norm, tolerance,
 )
@@ -24,6 +26,7 @@ from .tolerances import (
 _FROM_STRATEGIES = ("BUILTIN_OPS", "Chain", "OpSpec", "chains", "dtypes", "fusion_settings", "leading_shapes")
 
 __all__ = [
+    "HostReads", "count_host_reads",
     "SQNR_DB", "assert_sqnr", "quantized_reference", "sqnr",
     "BASELINE_ATOL", "BASELINE_FACTOR", "MissingReferenceError", "NORM_TOLERANCES", "TOLERANCES",
     "UncheckedOpWarning", "assert_close", "assert_close_norm", "assert_close_scaled", "assert_matches_reference",
