@@ -67,7 +67,7 @@ def _check_route(r, logits, k, flags):
 
 
 @pytest.mark.parametrize("flags", FLAGS, ids=["softmax", "softmax_norm", "sigmoid_norm", "sigmoid_bias"])
-@pytest.mark.parametrize("t,e,k", [(1, 2, 1), (13, 6, 2), (37, 8, 3), (50, 16, 8), (9, 5, 5)])
+@pytest.mark.parametrize("t,e,k", [(1, 2, 1), (13, 6, 2), (37, 8, 3), (21, 16, 8), (9, 5, 5)])
 @pytest.mark.parametrize("mode", ["triton", "reference"])
 def test_route_matches_float64(flags, t, e, k, mode, small_tiles):
     logits = _logits(t, e, seed=t * e + k)
@@ -121,7 +121,7 @@ def _dlogits_case(t, e, k, flags, seed=0):
 
 
 @pytest.mark.parametrize("flags", FLAGS, ids=["softmax", "softmax_norm", "sigmoid_norm", "sigmoid_bias"])
-@pytest.mark.parametrize("t,e,k", [(1, 2, 1), (13, 6, 2), (50, 16, 8)])
+@pytest.mark.parametrize("t,e,k", [(1, 2, 1), (13, 6, 2), (21, 16, 8)])
 @pytest.mark.parametrize("parts", ["all", "probs_only", "aux_only"])
 def test_router_dlogits_matches_float64(flags, t, e, k, parts, small_tiles):
     logits, ids, dprobs, counts, daux = _dlogits_case(t, e, k, flags, seed=t + e)
