@@ -296,6 +296,21 @@ def route(logits: torch.Tensor, k: int, *, score: str = "softmax", normalize: bo
     return route_ref(logits, k, score=score, normalize=normalize, bias=bias, score_sum=score_sum, zsum=zsum)
 
 
+def expert_counts_ref(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Token copies per expert from the expert ids [T, k]: int64 [E] on ids' device (``scatter_add_``,
+    no host sync)."""
+    flat = ids.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def sort_by_expert_ref(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm, inv_perm): copy positions ``t * k + j`` sorted by expert (a stable ``argsort``), and
+    its inverse."""
+    perm = torch.argsort(ids.reshape(-1), stable=True)
+    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+    return perm, inv
+
+
 def route_ref(logits: torch.Tensor, k: int, *, score: str = "softmax", normalize: bool = False,
               bias: Optional[torch.Tensor] = None, score_sum: bool = False, zsum: bool = False) -> Route:
     """Pure-torch twin of :func:`route` (``torch.topk``, ``scatter_add_``, a stable ``argsort``)."""
@@ -306,11 +321,8 @@ def route_ref(logits: torch.Tensor, k: int, *, score: str = "softmax", normalize
     probs = s.gather(1, ids)
     if normalize:
         probs = probs / probs.sum(-1, keepdim=True)
-    flat = ids.reshape(-1)
-    counts = torch.zeros(logits.shape[1], dtype=torch.int64, device=logits.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    perm = torch.argsort(flat, stable=True)
-    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+    counts = expert_counts_ref(ids, logits.shape[1])
+    perm, inv = sort_by_expert_ref(ids)
     ps = zs = None
     if score_sum:
         ps = (s if score == "softmax" else s / s.sum(-1, keepdim=True)).sum(0)
@@ -398,4 +410,5 @@ def router_dlogits_ref(logits: torch.Tensor, ids: torch.Tensor, dprobs: Optional
     return dl
 
 
-__all__ = ["Route", "route", "route_ref", "router_dlogits", "router_dlogits_ref"]
+__all__ = ["Route", "expert_counts_ref", "route", "route_ref", "router_dlogits", "router_dlogits_ref",
+           "sort_by_expert_ref"]

@@ -40,7 +40,7 @@ import torch
 from ..grad import WeightGradMixin, deliver_weight_grad
 from ..kernels.gemm import linear_wgrad
 from ..kernels.moe_combine import combine_bwd, gather_rows, gather_sum
-from ..kernels.moe_router import route, router_dlogits
+from ..kernels.moe_router import expert_counts_ref, route, router_dlogits, sort_by_expert_ref
 from ..op import BasicOperation
 from .comm import GroupRef
 from .grouped_linear import GroupedLinear
@@ -194,19 +194,6 @@ def _router_logits(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x2d.to(acc) @ weight.to(acc).t()
 
 
-def _expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Token copies per expert, int64 on ids' device (``scatter_add_``: no host sync)."""
-    flat = ids.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
-
-
-def _permutation(routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-    """(perm, inv_perm): copy positions ``t * k + j`` sorted by expert (stable), and its inverse."""
-    perm = torch.argsort(routing.expert_ids.reshape(-1), stable=True)
-    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
-    return perm, inv
-
-
 class Router(WeightGradMixin, BasicOperation):
     """Routes each token (row of ``x`` [..., in_features]) to ``top_k`` of ``num_experts`` experts.
 
@@ -328,7 +315,7 @@ class Router(WeightGradMixin, BasicOperation):
         logits = _router_logits(x2d, self.weight)
         scores = self.scores(logits)
         ids, probs = self.select(scores, routing)
-        counts = _expert_counts(ids, self.num_experts)
+        counts = expert_counts_ref(ids, self.num_experts)
         routing.token_shape, routing.expert_ids, routing.probs, routing.split_sizes = x.shape[:-1], ids, probs, counts
         return x2d, logits, ids, counts, self.aux_loss(logits, scores, counts)
 
@@ -447,7 +434,7 @@ class Dispatch(BasicOperation):
             raise ValueError(f"Dispatch: the input has {x2d.shape[0]} rows but the Router routed "
                              f"{routing.num_tokens} tokens")
         if routing.perm is None:  # (the Router's kernels sort the copies when they pick the experts)
-            routing.perm, routing.inv_perm = _permutation(routing)
+            routing.perm, routing.inv_perm = sort_by_expert_ref(routing.expert_ids)
         if self.ep.size > 1:
             if routing.ep_error is not None or not self._layout_checked:
                 check_layout("Dispatch", self.ep, routing.num_experts, routing.ep_error, x2d.device)
