@@ -403,13 +403,21 @@ class Dispatch(BasicOperation):
     local expert 0 first (from rank 0, 1, ...), then 1, ... (``Routing.local_split_sizes`` rows
     each). The exchange (:mod:`~fusible_ops.ops.moe_ep`) is collective: every rank of the group
     runs it, each with its own tokens; one host sync per forward; not graph-capturable. The
-    Router's weight is replicated: all-reduce its gradient over the ranks (data parallel)."""
+    Router's weight is replicated: all-reduce its gradient over the ranks (data parallel).
+
+    ``ep_chunks`` (expert parallel only): the exchange and the expert MLP after it run as a pipeline
+    of this many chunks of the local experts, each chunk's all-to-all overlapping another chunk's
+    expert GEMMs (rule ``moe_ep_overlap``, :mod:`~fusible_ops.fusion_rules.moe_ep_overlap`); 1 turns
+    the overlap off. The result does not depend on it."""
 
     routing_role = "dispatch"
 
-    def __init__(self, ep_group=None) -> None:
+    def __init__(self, ep_group=None, *, ep_chunks: int = 4) -> None:
         super().__init__()
+        if isinstance(ep_chunks, bool) or not isinstance(ep_chunks, int) or ep_chunks < 1:
+            raise ValueError(f"Dispatch: ep_chunks must be a positive int, got {ep_chunks!r}")
         self.ep = GroupRef("Dispatch", ep_group, none_ok=True)
+        self.ep_chunks = ep_chunks
         self._layout_checked = False  # (expert parallel: every rank's layout compared on the first call)
 
     @property
@@ -417,7 +425,7 @@ class Dispatch(BasicOperation):
         return self.ep.size
 
     def extra_repr(self) -> str:
-        return f"ep_size={self.ep.size}, ep_rank={self.ep.rank}" if self.ep.size > 1 else ""
+        return f"ep_size={self.ep.size}, ep_rank={self.ep.rank}, ep_chunks={self.ep_chunks}" if self.ep.size > 1 else ""
 
     @classmethod
     def _example(cls, n: int, **factory):

@@ -86,7 +86,8 @@ class ExpertExchange:
     ``order``: received (source-major) row of each local-expert-major row, ``inv_order`` its
     inverse."""
 
-    __slots__ = ("owner", "ref", "send_splits", "recv_splits", "local_counts", "order", "inv_order")
+    __slots__ = ("owner", "ref", "send_splits", "recv_splits", "local_counts", "order", "inv_order", "counts",
+                 "blocks", "host_counts", "host_blocks", "_chunked")
 
     @classmethod
     def plan(cls, owner: str, ref: GroupRef, counts: torch.Tensor, hidden: int, dtype: torch.dtype) -> "ExpertExchange":
@@ -103,8 +104,8 @@ class ExpertExchange:
         send[:, local + 1] = _DTYPE_CODE.get(dtype, -1)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=ref.group)  # row s of recv: rank s's counts of my experts
-        host = torch.cat([mine.sum(1), recv.reshape(-1)]).tolist()  # the host sync
-        rows = [host[ep + s * (local + 2):ep + (s + 1) * (local + 2)] for s in range(ep)]
+        host = torch.cat([counts, recv.reshape(-1)]).tolist()  # the host sync
+        rows = [host[experts + s * (local + 2):experts + (s + 1) * (local + 2)] for s in range(ep)]
         if any(r[local:] != [hidden, _DTYPE_CODE.get(dtype, -1)] for r in rows):
             names = {i: d for d, i in _DTYPE_CODE.items()}
             seen = "; ".join(f"rank {s}: hidden {r[local]} {names.get(r[local + 1], 'non-float')}"
@@ -113,8 +114,11 @@ class ExpertExchange:
                              f"rows ({seen}); every rank must pass the same hidden size and dtype")
         self = cls()
         self.owner, self.ref = owner, ref
-        self.send_splits, self.recv_splits = host[:ep], [sum(r[:local]) for r in rows]
+        self.host_counts, self.host_blocks = host[:experts], [r[:local] for r in rows]
+        self.send_splits = [sum(host[d * local:(d + 1) * local]) for d in range(ep)]
+        self.recv_splits = [sum(r) for r in self.host_blocks]
         blocks = recv[:, :local]  # [source, local expert] rows received
+        self.counts, self.blocks, self._chunked = counts, blocks, None
         self.local_counts = blocks.sum(0)
         total = sum(self.recv_splits)
         dev = counts.device
@@ -123,6 +127,13 @@ class ExpertExchange:
         self.order = torch.argsort(row_key, stable=True)
         self.inv_order = torch.empty_like(self.order).scatter_(0, self.order, torch.arange(total, device=dev))
         return self
+
+    def chunked(self, chunks: int) -> "ChunkLayout":
+        """This exchange split into ``chunks`` pipeline stages (:class:`ChunkLayout`; built once per
+        exchange, with no host sync: the split sizes came with :meth:`plan`)."""
+        if self._chunked is None or self._chunked.n != min(chunks, self.local_counts.numel()):
+            self._chunked = ChunkLayout(self, chunks)
+        return self._chunked
 
     def to_experts(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's copies [sum(send_splits), H], sorted by global expert -> the copies of its
@@ -173,3 +184,90 @@ def to_experts_autograd(x: torch.Tensor, exchange: ExpertExchange) -> torch.Tens
 
 def from_experts_autograd(x: torch.Tensor, exchange: ExpertExchange, owner: str) -> torch.Tensor:
     return _FromExperts.apply(x, exchange, owner)
+
+
+_CHUNK_KEYS: dict = {}  # (device, experts, ep, n) -> (per-global-expert send key, recv block order, its keys)
+
+
+def _chunk_keys(device, experts: int, ep: int, n: int) -> tuple:
+    """Device index tensors that depend only on the layout (built once per layout)."""
+    key = (device, experts, ep, n)
+    hit = _CHUNK_KEYS.get(key)
+    if hit is None:
+        local = experts // ep
+        chunk = [c for c in range(n) for _ in range(c * local // n, (c + 1) * local // n)]
+        send_key = [chunk[g % local] * ep + g // local for g in range(experts)]
+        blocks = [(s, l) for c in range(n) for s in range(ep) for l in range(c * local // n, (c + 1) * local // n)]
+        hit = (torch.tensor(send_key, device=device), torch.tensor([s * local + l for s, l in blocks], device=device),
+               torch.tensor([l * ep + s for s, l in blocks], device=device))
+        _CHUNK_KEYS[key] = hit
+    return hit
+
+
+class ChunkLayout:
+    """An :class:`ExpertExchange` in ``n`` pipeline stages (chunks): chunk ``c`` is this rank's local
+    experts ``[c * L / n, (c + 1) * L / n)`` (``L = E / ep``) and, on every rank, the copies routed to
+    the experts of chunk ``c`` on every rank. Each chunk is exchanged by its own all-to-all, so chunk
+    ``c + 1`` can travel while chunk ``c``'s experts compute (:mod:`~fusible_ops.fusion_rules.moe_ep_overlap`).
+
+    * Send side: this rank's copies are laid out chunk-major (chunk 0's copies for rank 0, for
+      rank 1, ..., then chunk 1's ...), so every chunk is one contiguous slice ``send_rows[c]``:
+      ``send_order`` [N]: the expert-sorted copy (Dispatch's order) at each chunk-major position;
+      ``send_pos`` its inverse.
+    * Receive side: chunk ``c`` arrives source-major in ``recv_rows[c]``; ``order[c]`` (absolute rows
+      of the whole receive buffer) reads it local-expert-major, the layout the grouped GEMMs take
+      (the same rows, in the same order, as :meth:`ExpertExchange.to_experts`); ``back[c]`` (rows of
+      the chunk) undoes that for the return trip.
+    * ``bounds[c]:bounds[c + 1]``: chunk ``c``'s local experts; ``counts[c]``: their rows (device).
+    """
+
+    __slots__ = ("ex", "n", "bounds", "send_splits", "recv_splits", "send_rows", "recv_rows", "send_order",
+                 "send_pos", "order", "back", "counts")
+
+    def __init__(self, ex: ExpertExchange, chunks: int) -> None:
+        ep, local = ex.ref.size, ex.local_counts.numel()
+        n = self.n = max(1, min(int(chunks), local))
+        self.ex = ex
+        self.bounds = b = [c * local // n for c in range(n + 1)]
+        hc, hb = ex.host_counts, ex.host_blocks
+        self.send_splits = [[sum(hc[d * local + b[c]:d * local + b[c + 1]]) for d in range(ep)] for c in range(n)]
+        self.recv_splits = [[sum(hb[s][b[c]:b[c + 1]]) for s in range(ep)] for c in range(n)]
+        self.send_rows, self.recv_rows = _slices([sum(x) for x in self.send_splits]), _slices([sum(x) for x in self.recv_splits])
+        dev = ex.counts.device
+        send_key, block_index, block_key = _chunk_keys(dev, ex.counts.numel(), ep, n)
+        n_send, n_recv = self.send_rows[-1].stop, self.recv_rows[-1].stop
+        self.send_order = torch.argsort(torch.repeat_interleave(send_key, ex.counts, output_size=n_send), stable=True)
+        self.send_pos = _inverse(self.send_order)
+        block_rows = ex.blocks.reshape(-1).index_select(0, block_index)
+        order = torch.argsort(torch.repeat_interleave(block_key, block_rows, output_size=n_recv), stable=True)
+        inv = _inverse(order)
+        self.order = [order[r] for r in self.recv_rows]
+        self.back = [inv[r] - r.start for r in self.recv_rows]
+        self.counts = [ex.local_counts[b[c]:b[c + 1]] for c in range(n)]
+
+    def to_experts(self, out: torch.Tensor, rows: torch.Tensor, c: int):
+        """Start chunk ``c``'s trip to the experts: ``rows`` (chunk-major send buffer) -> ``out``
+        (the receive buffer). Returns the async work (``.wait()`` before reading ``out``'s chunk)."""
+        return _start(out[self.recv_rows[c]], rows[self.send_rows[c]], self.ex.ref, self.recv_splits[c],
+                      self.send_splits[c])
+
+    def from_experts(self, out: torch.Tensor, rows: torch.Tensor, c: int):
+        """Start chunk ``c``'s trip back: ``rows`` (the chunk's rows, source-major: ``x[back[c]]`` of
+        local-expert-major ``x``) -> ``out``'s chunk ``c`` (chunk-major, as sent)."""
+        return _start(out[self.send_rows[c]], rows, self.ex.ref, self.send_splits[c], self.recv_splits[c])
+
+
+def _slices(sizes: list) -> list:
+    out, start = [], 0
+    for n in sizes:
+        out.append(slice(start, start + n))
+        start += n
+    return out
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+def _start(out: torch.Tensor, x: torch.Tensor, ref: GroupRef, out_splits: list, in_splits: list):
+    return dist.all_to_all_single(out, x, out_splits, in_splits, group=ref.group, async_op=True)

@@ -1,0 +1,152 @@
+"""Expert parallel MoE with the all-to-alls hidden behind the expert GEMMs:
+``Dispatch(ep_group=...) -> GroupedLinear -> activation -> GroupedLinear -> Combine``.
+
+Joint rule ``moe_ep_overlap`` (training; the forward and backward are equivalent only as a pair).
+The local experts are cut into ``Dispatch.ep_chunks`` chunks (:class:`~fusible_ops.ops.moe_ep.ChunkLayout`),
+each exchanged by its own asynchronous all-to-all:
+
+* forward: every chunk's dispatch all-to-all is started at once (they run back to back on the
+  communicator's stream); chunk ``c``'s expert MLP runs as soon as its copies have arrived, while
+  chunk ``c + 1``'s travel; chunk ``c``'s outputs start home as soon as they exist, while chunk
+  ``c + 1`` computes. Combine waits for the last one.
+* backward: the same pipeline for the input gradients (the copies' gradients out, each chunk's
+  dgrad chain, its result home); the weight gradients of every chunk are computed after the last
+  chunk's dgrad, while its result travels (or later, delayed: the gradient contract's
+  ``delay_wgrad_compute`` / :func:`~fusible_ops.grad.delayed_wgrad`).
+
+Each chunk's GEMMs see exactly the rows of its experts that the unchunked layer's GEMMs see, in
+the same order: the result equals the exchange without overlap bit for bit. It declines (falls
+back to the unfused expert-parallel ops) under FP8 autocast (a per-tensor scale would be taken per
+chunk instead of over the layer) and for ``ep_chunks=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..grad import deliver_weight_grad
+from ..kernels.activation import bias_act_bwd, bias_act_fwd
+from ..kernels.grouped_gemm import grouped_bias_grad, grouped_gemm_dgrad, grouped_gemm_fwd, grouped_gemm_wgrad
+from ..kernels.moe_combine import combine_bwd, gather_rows, gather_sum
+from ..op import FusedOperation
+from ..ops.activation import Activation
+from ..ops.grouped_linear import GroupedLinear
+from ..ops.moe import Combine, Dispatch, _need_routing
+from ..ops.validation import check_input
+from ..rules import match, rule
+
+
+def _part(t, lo: int, hi: int):
+    return None if t is None else t[lo:hi]
+
+
+class EPOverlapMoE(FusedOperation):
+    """The chunked, overlapped expert-parallel MoE layer body (module doc). Holds no state."""
+
+    def fuser_forward(self, ctxs, x, *, extra_inputs, routing=None, **kwargs):
+        dispatch, fc1, act, fc2, _ = self.basic_ops
+        cd, c1, ca, c2, cc = ctxs
+        _need_routing(self, routing)
+        check_input(dispatch, x)
+        x2d = dispatch._rows(x, routing)  # validates; plans the exchange (its one host sync)
+        check_input(fc1, x2d, features=fc1.in_features, like=fc1.weight)
+        lay = routing.exchange.chunked(dispatch.ep_chunks)
+        send = gather_rows(x2d, Dispatch.gather_index(routing).index_select(0, lay.send_order))
+        recv = send.new_empty((lay.recv_rows[-1].stop, send.shape[1]))
+        arriving = [lay.to_experts(recv, send, c) for c in range(lay.n)]
+        home = send.new_empty((send.shape[0], fc2.out_features))
+        leaving, kept = [], []
+        for c in range(lay.n):
+            lo, hi = lay.bounds[c], lay.bounds[c + 1]
+            arriving[c].wait()
+            xc = recv.index_select(0, lay.order[c])
+            h = grouped_gemm_fwd(xc, fc1.weight[lo:hi], lay.counts[c], _part(fc1.bias, lo, hi))
+            y = bias_act_fwd(h, None, act.kind, dropout_p=0.0)
+            o = grouped_gemm_fwd(y, fc2.weight[lo:hi], lay.counts[c], _part(fc2.bias, lo, hi))
+            leaving.append(lay.from_experts(home, o.index_select(0, lay.back[c]), c))
+            kept += [xc, h, y]
+        for w in leaving:
+            w.wait()
+        index = lay.send_pos.index_select(0, routing.inv_perm).view(routing.num_tokens, routing.top_k)
+        out = gather_sum(home, index, routing.probs).reshape(*routing.token_shape, fc2.out_features)
+        if cc.requires_grad:
+            cd.layout, cd.input_shape = lay, x.shape
+            cd.probs_grad = routing.probs_grad
+            cd.weight_grads = tuple(op.weight.requires_grad and ctx.weight_requires_grad for op, ctx in ((fc1, c1), (fc2, c2)))
+            cd.save_for_backward(index, routing.probs, home if routing.probs_grad else None, *kept)
+        return out, [(), (), (), (), ()]
+
+    def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, routing=None, **kwargs):
+        dispatch, fc1, act, fc2, _ = self.basic_ops
+        cd = ctxs[0]
+        lay = cd.layout
+        index, probs, home, *kept = cd.saved_tensors
+        dhome, dprobs = combine_bwd(dy.reshape(-1, fc2.out_features), home, index, probs)
+        if cd.probs_grad:
+            routing.dprobs = dprobs
+        drecv = dhome.new_empty((lay.recv_rows[-1].stop, fc2.out_features))
+        arriving = [lay.to_experts(drecv, dhome, c) for c in range(lay.n)]
+        need_dx = cd.input_requires_grad
+        dsend = dhome.new_empty((dhome.shape[0], fc1.in_features)) if need_dx else None
+        leaving, grads = [], []  # grads: per chunk (FC2's output grad, FC1's output grad)
+        for c in range(lay.n):
+            lo, hi = lay.bounds[c], lay.bounds[c + 1]
+            xc, h, y = kept[3 * c:3 * c + 3]
+            arriving[c].wait()
+            do = drecv.index_select(0, lay.order[c])
+            dh = bias_act_bwd(grouped_gemm_dgrad(do, fc2.weight[lo:hi], lay.counts[c]), h, None, act.kind, False,
+                              dropout_p=0.0)[0]
+            if need_dx:
+                dxc = grouped_gemm_dgrad(dh, fc1.weight[lo:hi], lay.counts[c])
+                leaving.append(lay.from_experts(dsend, dxc.index_select(0, lay.back[c]), c))
+            grads.append((do, dh))
+        g1 = self._weight_grads(fc1, cd.weight_grads[0], lay, [(dh, kept[3 * c]) for c, (_, dh) in enumerate(grads)])
+        g2 = self._weight_grads(fc2, cd.weight_grads[1], lay, [(do, kept[3 * c + 2]) for c, (do, _) in enumerate(grads)])
+        for w in leaving:
+            w.wait()
+        dx = gather_sum(dsend, index).reshape(cd.input_shape) if need_dx else None
+        return dx, [(), g1, (), g2, ()], [(), (None,), (), (None,), ()]
+
+    @staticmethod
+    def _weight_grads(op: GroupedLinear, weight_grad: bool, lay, pairs: list) -> tuple:
+        """(dW, db) of one GroupedLinear from every chunk's (output grad, input) rows: dW through the
+        gradient contract, one grouped GEMM per chunk into its experts' slice of the gradient."""
+        dw = None
+        if weight_grad:
+            def compute(out, accumulate):
+                if out is None:
+                    out, accumulate = torch.empty_like(op.weight), False
+                for c, (g, inp) in enumerate(pairs):
+                    lo, hi = lay.bounds[c], lay.bounds[c + 1]
+                    grouped_gemm_wgrad(g, inp, lay.counts[c], out=out[lo:hi], accumulate=accumulate)
+                return out
+
+            dw = deliver_weight_grad(op, op.weight, compute)
+        if op.bias is None:
+            return (dw,)
+        db = None
+        if op.bias.requires_grad:
+            db = torch.cat([grouped_bias_grad(g, lay.counts[c]) for c, (g, _) in enumerate(pairs)])
+        return (dw, db)
+
+
+def _check(ops, ctx):
+    dispatch, fc1, act, fc2, _ = ops
+    if dispatch.ep_size <= 1:
+        return "no expert-parallel group: nothing to overlap"
+    if dispatch.ep_chunks <= 1:
+        return "Dispatch(ep_chunks=1): the overlap is off"
+    if ctx.recipe is not None:
+        return ("FP8 autocast: a chunk would take its own per-tensor scales, not the layer's; the unfused "
+                "expert-parallel ops run")
+    if fc1.num_groups != fc2.num_groups:
+        return f"FC1 has {fc1.num_groups} groups, FC2 {fc2.num_groups}"
+    if act.out_features(fc1.out_features) != fc2.in_features:
+        return f"{type(act).__name__} gives {act.out_features(fc1.out_features)} features, FC2 takes {fc2.in_features}"
+    return None
+
+
+RULES = [  # the built-in rules of this family (installed by fusible_ops/__init__.py)
+    rule("moe_ep_overlap", [Dispatch, GroupedLinear, match(Activation), GroupedLinear, Combine], pass_="joint",
+         build=EPOverlapMoE, check=_check),
+]

@@ -1,0 +1,159 @@
+"""The overlapped expert-parallel MoE layer (rule ``moe_ep_overlap``: the local experts in
+``Dispatch.ep_chunks`` chunks, each chunk's all-to-all overlapping another chunk's expert GEMMs)
+against ONE process running the whole layer on every rank's tokens at once.
+
+On CPU (gloo, float64) the match is exact: each chunk's GEMMs see the rows of its experts in the
+order the single process's GEMMs see them, so outputs, input gradients and the local experts'
+weight and bias gradients are bit for bit those of the single process (whose plan runs the same
+unfused ops: the single process's fused grouped MLP would be a different kernel, not a different
+layer). On GPUs (NCCL, float32) the chunks' GEMMs may tile differently: judged by the tolerance
+table. Also: the gradient contract through the fused op (main_grad, delayed, frozen), FP8
+(declined: the unfused exchange runs) and bad settings.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_launch import run_ranks
+from test_dist_expert_parallel import H, _dtype, _full_and_ep
+
+import fusible_ops as fo
+from fusible_ops.ops.moe import record_routing
+from fusible_ops.testing import assert_close_scaled
+
+SINGLE_PROCESS_RULES = ("grouped_mlp", "moe_dispatch_mlp")
+"""Disabled in the single process: its plan then runs the unfused ops, as the EP ranks do."""
+
+
+def _rules(seq, x) -> list:
+    return [g["rule"] for g in seq.fusion_plan("forward", x)]
+
+
+def _data(world, leads, seed, **factory):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(*lead, H, generator=g).to(**factory), torch.randn(*lead, H, generator=g).to(**factory))
+            for lead in leads]
+
+
+def _single_process(full, data):
+    """The full layer on all ranks' tokens at once: (output rows, input-gradient rows), per rank."""
+    xs = [x.reshape(-1, H) for x, _ in data]
+    xa = torch.cat(xs).requires_grad_()
+    with fo.fusion_rules.disabled(*SINGLE_PROCESS_RULES):
+        y, _ = full(xa)
+        (y * torch.cat([dy.reshape(-1, H) for _, dy in data])).sum().backward()
+    ends = torch.tensor([0] + [x.shape[0] for x in xs]).cumsum(0).tolist()
+    return [(y[a:b], xa.grad[a:b]) for a, b in zip(ends, ends[1:])]
+
+
+def _same(actual, expected, exact: bool, dtype, what: str) -> None:
+    if exact:
+        assert torch.equal(actual, expected), f"{what}: not bit-equal (max diff {(actual - expected).abs().max()})"
+    else:
+        assert_close_scaled(actual, expected, dtype, what)
+
+
+def body_overlap_equals_one_process(rank, world, device):
+    dtype = _dtype(device)
+    factory = dict(device=device, dtype=dtype)
+    exact = device.type == "cpu"
+    # (experts, top_k, chunks, token lead shape per rank): uneven token counts; chunks that do not
+    # divide the local experts; top_k=1 over 4-7 tokens leaves experts empty; a rank with no tokens
+    cases = [(2 * world, 2, 2, [(5 + 3 * r,) for r in range(world)]),
+             (8 * world, 2, 2, [(6 + r,) for r in range(world)]),  # several experts per chunk and source
+             (4 * world, 2, 3, [(2, 3)] + [(0,)] + [(r, 2) for r in range(2, world)]),
+             (4 * world, 1, 4, [(4 + r,) for r in range(world)])]
+    empty_seen = False
+    for case, (experts, top_k, chunks, leads) in enumerate(cases):
+        what = f"E={experts} top_k={top_k} ep_chunks={chunks} tokens {leads}, rank {rank}/{world}"
+        full, ep, mine = _full_and_ep(experts, top_k, "softmax", dist.group.WORLD, rank, world, **factory)
+        ep[1].ep_chunks = chunks
+        data = _data(world, leads, 20 + case, **factory)
+        y_ref, dx_ref = _single_process(full, data)[rank]
+        x, dy = data[rank]
+        x = x.clone().requires_grad_()
+        assert "moe_ep_overlap" in _rules(ep, x), (what, ep.explain(x))
+        with record_routing() as log:
+            y, _ = ep(x)
+        (y * dy).sum().backward()
+        counts = torch.bincount(log[0].reshape(-1), minlength=experts)
+        every = torch.empty(world * experts, dtype=counts.dtype, device=device)
+        dist.all_gather_into_tensor(every, counts.to(device), group=dist.group.WORLD)
+        empty_seen = empty_seen or bool((every == 0).any())
+        _same(y.reshape(-1, H), y_ref, exact, dtype, f"output ({what})")
+        _same(x.grad.reshape(-1, H), dx_ref, exact, dtype, f"input grad ({what})")
+        for i in (2, 4):
+            _same(ep[i].weight.grad, full[i].weight.grad[mine], exact, dtype, f"expert weight {i} grad ({what})")
+            _same(ep[i].bias.grad, full[i].bias.grad[mine], exact, dtype, f"expert bias {i} grad ({what})")
+    assert empty_seen, "no case routed zero copies of some expert from some rank"
+
+
+def body_gradient_contract(rank, world, device):
+    """main_grad + delayed weight gradients for FC1, a frozen FC2: what the unfused exchange
+    (``ep_chunks=1``) delivers, bit for bit on CPU."""
+    dtype = _dtype(device)
+    factory = dict(device=device, dtype=dtype)
+    results = []
+    for chunks in (1, 3):
+        _, ep, _ = _full_and_ep(6 * world, 2, "softmax", dist.group.WORLD, rank, world, **factory)
+        fc1, fc2 = ep[2], ep[4]
+        fc1.accumulate_into_main_grad = fc1.delay_wgrad_compute = True
+        fc1.weight.main_grad = torch.full_like(fc1.weight, 0.5)
+        fc2.weight.requires_grad_(False)
+        ep[1].ep_chunks = chunks
+        x, dy = _data(world, [(4 + 2 * r,) for r in range(world)], 3, **factory)[rank]
+        x.requires_grad_()
+        with fo.fusion_rules.disabled(*SINGLE_PROCESS_RULES):
+            assert ("moe_ep_overlap" in _rules(ep, x)) == (chunks > 1)
+            y, _ = ep(x)
+            (y * dy).sum().backward()
+        assert fc1.weight.grad is None and fc2.weight.grad is None
+        assert fc1.has_pending_wgrad() and torch.equal(fc1.weight.main_grad, torch.full_like(fc1.weight, 0.5))
+        fc1.backward_dw()
+        assert not fc1.has_pending_wgrad()
+        results.append((y, x.grad, fc1.weight.main_grad, fc1.bias.grad, fc2.bias.grad))
+    for a, b, name in zip(*results, ("output", "input grad", "FC1 main_grad", "FC1 bias grad", "FC2 bias grad")):
+        _same(b, a, device.type == "cpu", dtype, f"{name}, rank {rank}")
+
+
+def body_fp8_declines(rank, world, device):
+    """Under FP8 autocast the rule declines (a chunk would take its own per-tensor scales) and
+    explain() says so; the unfused exchange runs, so ep_chunks changes nothing."""
+    factory = dict(device=device, dtype=torch.float32)
+    outs = []
+    for chunks in (1, 4):
+        _, ep, _ = _full_and_ep(4 * world, 2, "softmax", dist.group.WORLD, rank, world, **factory)
+        ep[1].ep_chunks = chunks
+        x = _data(world, [(6,)] * world, 4, **factory)[rank][0].requires_grad_()
+        with fo.autocast(recipe=fo.Float8CurrentScaling()):
+            assert "moe_ep_overlap" not in _rules(ep, x)
+            if chunks > 1:
+                text = ep.explain(x)
+                assert "moe_ep_overlap" in text and "FP8 autocast" in text, text
+            y, aux = ep(x)
+            (y.square().sum() + aux).backward()
+        outs.append((y, x.grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("backend, world", [pytest.param("gloo", 2, id="gloo-2"), pytest.param("gloo", 4, id="gloo-4"),
+                                            pytest.param("nccl", 2, id="nccl-2", marks=pytest.mark.gpu)])
+def test_ep_overlap_equals_one_process(backend, world):
+    run_ranks(body_overlap_equals_one_process, world, backend)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("gloo", id="gloo"), pytest.param("nccl", id="nccl", marks=pytest.mark.gpu)])
+def test_ep_overlap_gradient_contract(backend):
+    run_ranks(body_gradient_contract, 2, backend)
+
+
+def test_ep_overlap_declines_under_fp8():
+    run_ranks(body_fp8_declines, 2, "gloo")
+
+
+@pytest.mark.parametrize("chunks", [0, -1, 2.0, True])
+def test_ep_chunks_must_be_a_positive_int(chunks):
+    with pytest.raises(ValueError, match="Dispatch: ep_chunks must be a positive int"):
+        fo.Dispatch(ep_chunks=chunks)
