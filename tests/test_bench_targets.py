@@ -25,6 +25,15 @@ def test_kept_memory_is_lower_is_better():
     assert tg.kept("c", "x", "fused", "other", 0.35)(g) is None
 
 
+def test_hidden_fraction_of_the_exchange():
+    g = {("ep_moe", "ep2"): {"fused": {"median_ms": 7.0}, "no_overlap": {"median_ms": 10.0}},
+         ("ep_moe", "ep2_comm"): {"comm_alone": {"median_ms": 4.0}}}
+    assert tg.hidden("ep_moe", "ep2", 0.7)(g) == ("75% (10.000 - 7.000 of 4.000 ms)", True)
+    assert tg.hidden("ep_moe", "ep2", 0.8)(g)[1] is False
+    del g[("ep_moe", "ep2_comm")]
+    assert tg.hidden("ep_moe", "ep2", 0.7)(g) is None
+
+
 def test_missing_rows_are_not_guessed():
     g = _groups(fused={"tflops": None, "median_ms": "nan"})
     assert tg.rate("c", "x", "fused", 1)(g) is None

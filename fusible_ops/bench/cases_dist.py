@@ -13,6 +13,10 @@ torchrun (or on one rank) these cases yield nothing.
   rank routing its own tokens, against ``single_gpu``: the same layer with all ``E`` experts on
   each GPU (the same weights: the EP ranks hold slices of them), which is what one GPU does for
   those tokens. Their outputs and input gradients agree, so ``fused`` is checked against it.
+  ``fused`` overlaps the all-to-alls with the experts (rule ``moe_ep_overlap``, the default
+  ``ep_chunks``), ``no_overlap`` disables that rule, ``chunks_N`` sets ``ep_chunks=N``. Config
+  ``ep{N}_comm`` times the step's four all-to-alls alone (``comm_alone``): the hidden fraction is
+  ``(no_overlap - fused) / comm_alone`` (BENCHMARKS.md's Targets table).
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ def tp_mlp(ctx: BenchContext) -> Iterator[Bench]:
 def ep_moe(ctx: BenchContext) -> Iterator[Bench]:
     if not distributed():
         return
+    from fusible_ops.ops.moe_ep import ExpertExchange
+
     world, rank = dist.get_world_size(), dist.get_rank()
     T, H, Fd, E, k = EP_SHAPE
     T, H, Fd = ctx.size(T, 32), ctx.size(H, 32), ctx.size(Fd, 32)
@@ -83,16 +89,57 @@ def ep_moe(ctx: BenchContext) -> Iterator[Bench]:
         for i in (2, 4):
             ep[i].weight.copy_(full[i].weight[mine])
     torch.manual_seed(1 + rank)  # each rank its own tokens
+    default_chunks = ep[1].ep_chunks
 
     def new_copy():
         return (ctx.randn(T, H, requires_grad=True),), ctx.randn(T, H)
 
+    def chunked(n):
+        def call(x):
+            ep[1].ep_chunks = n
+            try:
+                return ep(x)[0]
+            finally:
+                ep[1].ep_chunks = default_chunks
+        return call
+
+    def no_overlap(x):
+        with fo.fusion_rules.disabled("moe_ep_overlap"):
+            return ep(x)[0]
+
+    variants = {"fused": lambda x: ep(x)[0], "no_overlap": no_overlap, "single_gpu": lambda x: full(x)[0]}
+    variants.update({f"chunks_{n}": chunked(n) for n in (2, 4, 8) if n != default_chunks})
+    notes = {"fused": f"expert parallel, {local} experts per GPU, all-to-alls overlapped in {default_chunks} chunks",
+             "no_overlap": "the same, rule moe_ep_overlap disabled (exchange, then the experts)",
+             "single_gpu": f"all {E} experts on each GPU"}
+    notes.update({f"chunks_{n}": f"overlapped in {n} chunks" for n in (2, 4, 8)})
     yield Bench(
         case="ep_moe", config=f"ep{world}", shape=f"T={T} per GPU, H={H} F={Fd} E={E} k={k}", dtype=ctx.dtype,
-        metric="flops", work=18 * T * k * H * Fd, new_copy=new_copy, params=[],
-        variants={"fused": lambda x: ep(x)[0], "single_gpu": lambda x: full(x)[0]}, fused_module=ep,
-        plan_args=lambda inp: inp, expected_rules=(), baseline="single_gpu",
-        notes={"fused": f"expert parallel, {local} experts per GPU", "single_gpu": f"all {E} experts on each GPU"},
+        metric="flops", work=18 * T * k * H * Fd, new_copy=new_copy, params=[], variants=variants, fused_module=ep,
+        plan_args=lambda inp: inp, expected_rules=("moe_ep_overlap",), baseline="single_gpu", notes=notes,
+    )
+
+    # the exchange alone: the step's four all-to-alls (dispatch and combine, forward and backward)
+    # with this layer's split sizes, for the hidden fraction (no_overlap - fused) / comm_alone
+    x0 = ctx.randn(T, H)
+    with torch.no_grad():
+        ids = (x0.float() @ ep[0].weight.float().t()).topk(k, dim=-1).indices
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    ex = ExpertExchange.plan("ep_moe", ep[1].ep, counts, H, ctx.dtype)
+    rows = ctx.randn(T * k, H)
+
+    def comm_alone(_x):
+        for _ in range(2):
+            back = ex.to_experts(rows)
+            out = ex.from_experts(back)
+        return out
+
+    yield Bench(
+        case="ep_moe", config=f"ep{world}_comm", shape=f"{T * k} token copies x H={H} per GPU, 4 all-to-alls",
+        dtype=ctx.dtype, metric="bytes", work=4 * T * k * H * rows.element_size(),
+        new_copy=lambda: ((ctx.randn(T, H),), ctx.randn(T * k, H)), params=[], variants={"comm_alone": comm_alone},
+        fused_module=None, plan_args=lambda inp: inp, baseline="comm_alone",
+        notes={"comm_alone": "the four all-to-alls of one step with the layer's split sizes (bytes: rows sent per GPU)"},
     )
 
 

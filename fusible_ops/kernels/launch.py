@@ -17,6 +17,7 @@ Nothing here launches work by itself; nothing here syncs with the host.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable, Optional, Sequence
 
@@ -56,6 +57,29 @@ def num_sms(device: torch.device, interpreter_programs: int = 2) -> int:
     if n is None:
         n = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return n
+
+
+SM_RESERVE = [0]
+"""Multiprocessors the persistent kernels leave free, process-wide (:func:`reserve_sms`)."""
+
+
+@contextlib.contextmanager
+def reserve_sms(n: int):
+    """Inside the block, persistent kernels (the grouped GEMMs) launch one program per SM for all
+    but ``n`` SMs, so that communication kernels running beside them (an all-to-all on another
+    stream) do not hold back programs that a persistent grid assigned its tiles to statically.
+    Launches are specialized per reserve (part of their signature and launch records)."""
+    previous, SM_RESERVE[0] = SM_RESERVE[0], max(0, int(n))
+    try:
+        yield
+    finally:
+        SM_RESERVE[0] = previous
+
+
+def persistent_sms(device: torch.device, interpreter_programs: int = 2) -> int:
+    """:func:`num_sms` less the SMs :func:`reserve_sms` keeps free (at least 1)."""
+    n = num_sms(device, interpreter_programs)
+    return n if device.type != "cuda" else max(1, n - SM_RESERVE[0])
 
 
 def kernel_op(name: str, *, mutates_args=(), eager: Optional[Callable] = None):
@@ -490,7 +514,7 @@ class TunedKernel:
         CPU tensors and a binary not compiled yet take the full path. :data:`CHECK_DIRECT` (GPU
         tests) rebuilds on every call and checks the record against it."""
         if device.type == "cuda":
-            rec = self._records.get((AUTOTUNE, key))
+            rec = self._records.get((AUTOTUNE, SM_RESERVE[0], key))
             if rec is not None:
                 raw = [t.data_ptr() for t in tensors]
                 ptrs = 0
@@ -515,7 +539,7 @@ class TunedKernel:
                                  f"caller's record key misses something its build() depends on")
 
     def _signature(self, args, const, device) -> tuple:
-        sig = [AUTOTUNE, device, *const.items()]
+        sig = [AUTOTUNE, SM_RESERVE[0], device, *const.items()]
         for a in args:
             sig.append(a.dtype if isinstance(a, torch.Tensor) else a)
         return tuple(sig)
@@ -531,7 +555,7 @@ class TunedKernel:
             return
         # Everything a launch decides (config, grid, constexprs, Triton's specialization) is a
         # function of this signature: computed once per signature, then the binary is launched.
-        sig, ptrs, raw = [AUTOTUNE, device, *const.items()], 0, []
+        sig, ptrs, raw = [AUTOTUNE, SM_RESERVE[0], device, *const.items()], 0, []
         for a in args:
             if isinstance(a, torch.Tensor):
                 sig.append(a.dtype)
@@ -553,7 +577,7 @@ class TunedKernel:
             tail = args[n:]
             if any(isinstance(a, torch.Tensor) for a in tail) or not all(isinstance(a, torch.Tensor) for a in args[:n]):
                 raise TypeError(f"{self.kernel.__name__}: launch_cached needs the {n} tensors first, then no tensor")
-            remember(self._records, (AUTOTUNE, key), (ready[0], sig, ready[1], tail))
+            remember(self._records, (AUTOTUNE, SM_RESERVE[0], key), (ready[0], sig, ready[1], tail))
 
     def _prepare(self, sig, grid, args, const, dtype):
         """(grid, meta) of a new signature, or None after a tuning run launched the call itself."""
@@ -584,4 +608,4 @@ __all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "RECORDER", "TRI
            "cast_to", "cdiv", "clear_geometry_caches", "compute_dtype", "contiguous_or", "dot_precision", "elementwise_config",
            "fit_configs", "forget_tuning", "generic_key",
            "geometry_cache",
-           "kernel_op", "needs_int64", "next_pow2", "num_sms", "placeholder", "remember", "row_align"]
+           "kernel_op", "needs_int64", "next_pow2", "num_sms", "persistent_sms", "placeholder", "reserve_sms", "remember", "row_align"]

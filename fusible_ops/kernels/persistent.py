@@ -23,7 +23,7 @@ import threading
 import torch
 
 from . import interpreter_enabled
-from .launch import DirectKernel, cdiv, next_pow2, num_sms
+from .launch import DirectKernel, cdiv, next_pow2, persistent_sms
 
 try:
     import triton
@@ -236,8 +236,9 @@ def group_p2(G: int) -> int:
 
 def persistent_grid(M: int, G: int, n_cols: int, device: torch.device):
     """Persistent grid: min(#SMs x programs per SM, upper bound of the tile count over any split
-    of M rows into G groups)."""
-    progs = num_sms(device, INTERP_PROGS)
+    of M rows into G groups); the SMs :func:`~fusible_ops.kernels.launch.reserve_sms` keeps free
+    are left out."""
+    progs = persistent_sms(device, INTERP_PROGS)
 
     def grid(meta):
         max_tiles = (cdiv(M, meta["BM"]) + G) * cdiv(n_cols, meta["BN"])

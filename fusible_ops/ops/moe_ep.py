@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..kernels.moe_combine import gather_rows
 from .comm import GroupRef
 from .validation import FLOAT_DTYPES
 
@@ -139,7 +140,7 @@ class ExpertExchange:
         """This rank's copies [sum(send_splits), H], sorted by global expert -> the copies of its
         local experts [sum(recv_splits), H], local-expert-major."""
         check_not_capturing(self.owner, self.ref)
-        return _all_to_all(rows, self.ref, self.recv_splits, self.send_splits).index_select(0, self.order)
+        return gather_rows(_all_to_all(rows, self.ref, self.recv_splits, self.send_splits), self.order)
 
     def from_experts(self, rows: torch.Tensor, owner: str = None) -> torch.Tensor:
         """The adjoint (and inverse) of :meth:`to_experts`: local-expert-major rows back to the
@@ -149,7 +150,7 @@ class ExpertExchange:
             raise ValueError(f"{owner}: the input has {rows.shape[0]} rows; the expert-parallel Dispatch delivered "
                              f"{self.inv_order.numel()} token copies to this rank's experts")
         check_not_capturing(owner, self.ref)
-        return _all_to_all(rows.index_select(0, self.inv_order), self.ref, self.send_splits, self.recv_splits)
+        return _all_to_all(gather_rows(rows, self.inv_order), self.ref, self.send_splits, self.recv_splits)
 
 
 class _ToExperts(torch.autograd.Function):

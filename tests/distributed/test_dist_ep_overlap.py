@@ -138,6 +138,28 @@ def body_fp8_declines(rank, world, device):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+def body_bench_case(rank, world, device):
+    """The harness case ``ep_moe`` (quick shapes): every variant agrees with ``single_gpu``, the
+    plan holds the overlap, and the exchange-alone bench runs (no timing here)."""
+    from fusible_ops.bench.cases import BenchContext
+    from fusible_ops.bench.cases_dist import ep_moe
+
+    benches = list(ep_moe(BenchContext(device=device, dtype=torch.float32, quick=True)))
+    assert [b.config for b in benches] == [f"ep{world}", f"ep{world}_comm"]
+    layer, comm = benches
+    (x,), dy = layer.new_copy()
+    assert "moe_ep_overlap" in _rules(layer.fused_module, x)
+    ref = layer.variants["single_gpu"](x)
+    for name, fn in layer.variants.items():
+        assert_close_scaled(fn(x), ref, torch.float32, f"ep_moe variant {name}, rank {rank}")
+    (t,), _ = comm.new_copy()
+    assert comm.variants["comm_alone"](t).shape == (t.shape[0] * 8, t.shape[1])
+
+
+def test_ep_moe_bench_case_runs():
+    run_ranks(body_bench_case, 2, "gloo")
+
+
 @pytest.mark.parametrize("backend, world", [pytest.param("gloo", 2, id="gloo-2"), pytest.param("gloo", 4, id="gloo-4"),
                                             pytest.param("nccl", 2, id="nccl-2", marks=pytest.mark.gpu)])
 def test_ep_overlap_equals_one_process(backend, world):

@@ -435,3 +435,33 @@ def test_autotuning_keeps_only_configs_whose_tiles_fit_the_problem():
                             for c in kept for m in ("BN", "BK")), kernel.kernel.__name__
         assert len(kept) == 1 or kernel in (fg.MM_KERNEL, fg.WGRAD_KERNEL)
         assert prune(kernel.configs, {k: 8192 for k in sizes}) == kernel.configs
+
+
+def test_reserve_sms_nests_and_restores():
+    assert launch.SM_RESERVE[0] == 0
+    with launch.reserve_sms(16):
+        with launch.reserve_sms(-3):
+            assert launch.SM_RESERVE[0] == 0
+        assert launch.SM_RESERVE[0] == 16
+        assert launch.persistent_sms(torch.device("cpu"), 2) == 2  # (the interpreter's programs: unchanged)
+    assert launch.SM_RESERVE[0] == 0
+
+
+@pytest.mark.gpu
+def test_gpu_reserved_sms_shrink_the_persistent_grid_not_the_result():
+    """Under reserve_sms(n) the grouped GEMMs launch #SMs - n programs (room for communication
+    kernels beside them) and compute the same bits: the tiles are the same, only spread over
+    fewer programs; the launch records of both grids coexist."""
+    x, w, b, dy, split = _data(300, 72, 64, [100, 0, 150, 50], torch.bfloat16, "cuda")
+    sms = launch.num_sms(x.device)
+    with launch.reserve_sms(sms - 3):
+        assert launch.persistent_sms(x.device) == 3
+        grid = persistent.persistent_grid(300, 4, 72, x.device)({"BM": 16, "BN": 16})
+        assert grid == (3,)
+        reserved = [gg.grouped_gemm_fwd(x, w, split, b), gg.grouped_gemm_dgrad(dy, w, split),
+                    gg.grouped_gemm_wgrad(dy, x, split)]
+    full = [gg.grouped_gemm_fwd(x, w, split, b), gg.grouped_gemm_dgrad(dy, w, split), gg.grouped_gemm_wgrad(dy, x, split)]
+    for a, f in zip(reserved, full):
+        assert torch.equal(a, f)
+    with launch.reserve_sms(sms - 3):  # (the reserved grid's launch records again)
+        assert torch.equal(gg.grouped_gemm_fwd(x, w, split, b), full[0])
