@@ -99,14 +99,14 @@ class PlainBlock(torch.nn.Module):
 
 
 def _graphs_over_lengths(model, dynamic) -> int:
-    """Graphs made over 4 sequence lengths: ``dynamic`` True / None (torch's default, dynamic from
+    """Graphs made over 3 sequence lengths: ``dynamic`` True / None (torch's default, dynamic from
     the second new length) / "mark" (``mark_dynamic`` on the length)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend="aot_eager", dynamic=dynamic if dynamic != "mark" else None)
-    for S in (8, 12, 16, 20):
+    for S in (8, 12, 16):  # (static, then dynamic after one recompile, then no more)
         x = torch.randn(2, S, D, requires_grad=True)
         if dynamic == "mark":
             torch._dynamo.mark_dynamic(x, 1)

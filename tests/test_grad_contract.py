@@ -84,10 +84,10 @@ def _build(subject, seed=0):
             n = n_out
         if getattr(ops[0], "routing_role", None) == "dispatch":  # a MoE span runs between its Router and Combine
             experts = next(op.num_groups for op in ops if isinstance(op, fo.GroupedLinear))
-            ops = [fo.Router(6, experts, top_k=2), *ops, fo.Combine()]
+            ops = [fo.Router(6, experts, top_k=2), *ops, *([] if isinstance(ops[-1], fo.Combine) else [fo.Combine()])]
         seq = fo.Sequential(*ops)
         if what.name not in [r["rule"] for r in seq.fusion_plan("backward")]:  # declined in one CPU process
-            seq.rules = _unchecked(what)  # (the comm-overlap rules: a one-rank group); the table tests the fused op
+            seq.rules = _unchecked(what)  # (the comm rules: a one-rank group); the table tests the fused op
         assert what.name in [r["rule"] for r in seq.fusion_plan("backward")], "the rule must fire in this test"
     with torch.no_grad():
         for p in seq.parameters():

@@ -30,9 +30,10 @@ from ..kernels.launch import reserve_sms
 from ..kernels.grouped_gemm import grouped_bias_grad, grouped_gemm_dgrad, grouped_gemm_fwd, grouped_gemm_wgrad
 from ..kernels.moe_combine import combine_bwd, gather_rows, gather_sum
 from ..op import FusedOperation
-from ..ops.activation import Activation
+from ..ops.activation import GEGLU, GELU, ReGLU, ReLU, SiLU, SwiGLU
 from ..ops.grouped_linear import GroupedLinear
 from ..ops.moe import Combine, Dispatch, _need_routing
+from ..ops.moe_ep import ExpertExchange
 from ..ops.validation import check_input
 from ..rules import match, rule
 
@@ -60,7 +61,8 @@ class EPOverlapMoE(FusedOperation):
         check_input(dispatch, x)
         x2d = dispatch._rows(x, routing)  # validates; plans the exchange (its one host sync)
         check_input(fc1, x2d, features=fc1.in_features, like=fc1.weight)
-        lay = routing.exchange.chunked(dispatch.ep_chunks)
+        ex = routing.exchange or ExpertExchange.local("Dispatch", dispatch.ep, routing.split_sizes)
+        lay = ex.chunked(dispatch.ep_chunks)
         send = gather_rows(x2d, Dispatch.gather_index(routing).index_select(0, lay.send_order))
         recv = send.new_empty((lay.recv_rows[-1].stop, send.shape[1]))
         arriving = [lay.to_experts(recv, send, c) for c in range(lay.n)]
@@ -165,7 +167,9 @@ def _check(ops, ctx):
     return None
 
 
+_ACTIVATIONS = (SwiGLU, GEGLU, ReGLU, SiLU, GELU, ReLU)  # (one elementwise kernel each: bias_act_fwd / _bwd)
+
 RULES = [  # the built-in rules of this family (installed by fusible_ops/__init__.py)
-    rule("moe_ep_overlap", [Dispatch, GroupedLinear, match(Activation), GroupedLinear, Combine], pass_="joint",
+    rule("moe_ep_overlap", [Dispatch, GroupedLinear, match(_ACTIVATIONS), GroupedLinear, Combine], pass_="joint",
          build=EPOverlapMoE, check=_check),
 ]

@@ -129,6 +129,20 @@ class ExpertExchange:
         self.inv_order = torch.empty_like(self.order).scatter_(0, self.order, torch.arange(total, device=dev))
         return self
 
+    @classmethod
+    def local(cls, owner: str, ref: GroupRef, counts: torch.Tensor) -> "ExpertExchange":
+        """The exchange of a one-rank group (every expert local; nothing travels): what
+        :class:`ChunkLayout` builds on when the overlap rule runs without an expert-parallel group
+        (only where a test sets its checker aside). Reads the counts on the host."""
+        self = cls()
+        self.owner, self.ref = owner, ref
+        self.host_counts = counts.tolist()
+        self.host_blocks = [self.host_counts]
+        self.send_splits = self.recv_splits = [sum(self.host_counts)]
+        self.counts, self.blocks, self.local_counts, self._chunked = counts, counts.view(1, -1), counts, None
+        self.order = self.inv_order = torch.arange(self.send_splits[0], device=counts.device)
+        return self
+
     def chunked(self, chunks: int) -> "ChunkLayout":
         """This exchange split into ``chunks`` pipeline stages (:class:`ChunkLayout`; built once per
         exchange, with no host sync: the split sizes came with :meth:`plan`)."""
@@ -270,5 +284,16 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
+class _Done:
+    """The finished "work" of an exchange within one rank (a copy)."""
+
+    @staticmethod
+    def wait() -> bool:
+        return True
+
+
 def _start(out: torch.Tensor, x: torch.Tensor, ref: GroupRef, out_splits: list, in_splits: list):
+    if ref.size == 1:
+        out.copy_(x)
+        return _Done
     return dist.all_to_all_single(out, x, out_splits, in_splits, group=ref.group, async_op=True)

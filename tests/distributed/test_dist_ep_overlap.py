@@ -179,3 +179,26 @@ def test_ep_overlap_declines_under_fp8():
 def test_ep_chunks_must_be_a_positive_int(chunks):
     with pytest.raises(ValueError, match="Dispatch: ep_chunks must be a positive int"):
         fo.Dispatch(ep_chunks=chunks)
+
+
+def body_capture_refused(rank, world, device):
+    """Capturing the expert-parallel layer in a CUDA graph is refused with a clear error on every
+    rank, before any collective or host read is captured (the exchange still reads its split sizes
+    on the host), whether the overlap rule runs it or not."""
+    for chunks in (1, 2):
+        _, ep, _ = _full_and_ep(4 * world, 2, "softmax", dist.group.WORLD, rank, world, device=device,
+                                dtype=torch.float32)
+        ep[1].ep_chunks = chunks
+        x = torch.randn(64, H, device=device)
+        ep(x)  # (warm-up: the first call also compares the ranks' layouts)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="expert parallel .* is not graph-capturable"):
+            with torch.cuda.graph(graph):
+                ep(x)
+        dist.barrier()
+
+
+@pytest.mark.gpu
+def test_ep_capture_is_refused_on_every_rank():
+    run_ranks(body_capture_refused, 2, "nccl")
