@@ -72,7 +72,10 @@ def grouped_gemm(ctx: BenchContext) -> Iterator[Bench]:
             if not fp8:
                 return {}
             if kind == "wgrad":
-                return {"fp8_current": lambda a, b, at, sat, bt, sbt: fp8_grouped_wgrad((at, sat), (bt, sbt), splits)}
+                # (the gradient in the weights' dtype, as a GroupedLinear without main_grad gets it and
+                # as the bf16 rows write it; an fp32 output doubled the bytes written)
+                return {"fp8_current": lambda a, b, at, sat, bt, sbt: fp8_grouped_wgrad((at, sat), (bt, sbt), splits,
+                                                                                   out_dtype=ctx.dtype)}
             weight, block, rows = (wq.rowwise, wb.rowwise, w_rows) if kind == "fwd" else \
                 (wq.colwise, wb.colwise, wt_rows)
             return {
