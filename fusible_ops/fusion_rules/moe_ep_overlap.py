@@ -14,10 +14,15 @@ each exchanged by its own asynchronous all-to-all:
   chunk's dgrad, while its result travels (or later, delayed: the gradient contract's
   ``delay_wgrad_compute`` / :func:`~fusible_ops.grad.delayed_wgrad`).
 
+While chunks are in flight the grouped GEMMs leave :data:`COMM_SMS` SMs to the communication
+kernels (:func:`~fusible_ops.kernels.launch.reserve_sms`).
+
 Each chunk's GEMMs see exactly the rows of its experts that the unchunked layer's GEMMs see, in
-the same order: the result equals the exchange without overlap bit for bit. It declines (falls
-back to the unfused expert-parallel ops) under FP8 autocast (a per-tensor scale would be taken per
-chunk instead of over the layer) and for ``ep_chunks=1``.
+the same order: on CPU the result equals the exchange without overlap, and one process running
+every rank's tokens, bit for bit (on GPUs a chunk's GEMM may take other tile configurations: equal
+within the tolerance table). It declines (falls back to the unfused expert-parallel ops) under FP8
+autocast (a per-tensor scale would be taken per chunk instead of over the layer) and for
+``ep_chunks=1``. How much it hides, measured: docs/scaling-out.md.
 """
 
 from __future__ import annotations

@@ -76,12 +76,6 @@ def reserve_sms(n: int):
         SM_RESERVE[0] = previous
 
 
-def persistent_sms(device: torch.device, interpreter_programs: int = 2) -> int:
-    """:func:`num_sms` less the SMs :func:`reserve_sms` keeps free (at least 1)."""
-    n = num_sms(device, interpreter_programs)
-    return n if device.type != "cuda" else max(1, n - SM_RESERVE[0])
-
-
 def kernel_op(name: str, *, mutates_args=(), eager: Optional[Callable] = None):
     """Register a launcher as the ``torch.library`` custom op ``name`` (so ``torch.compile``
     traces it through its fake implementation), and return a callable that runs the launcher
@@ -608,4 +602,4 @@ __all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "RECORDER", "TRI
            "cast_to", "cdiv", "clear_geometry_caches", "compute_dtype", "contiguous_or", "dot_precision", "elementwise_config",
            "fit_configs", "forget_tuning", "generic_key",
            "geometry_cache",
-           "kernel_op", "needs_int64", "next_pow2", "num_sms", "persistent_sms", "placeholder", "reserve_sms", "remember", "row_align"]
+           "kernel_op", "needs_int64", "next_pow2", "num_sms", "placeholder", "reserve_sms", "remember", "row_align"]

@@ -23,7 +23,7 @@ import threading
 import torch
 
 from . import interpreter_enabled
-from .launch import DirectKernel, cdiv, next_pow2, persistent_sms
+from .launch import SM_RESERVE, DirectKernel, cdiv, next_pow2, num_sms
 
 try:
     import triton
@@ -234,11 +234,18 @@ def group_p2(G: int) -> int:
     return max(2, next_pow2(max(G, 1)))
 
 
+def persistent_sms(device: torch.device, interpreter_programs: int = INTERP_PROGS) -> int:
+    """:func:`~fusible_ops.kernels.launch.num_sms` less the SMs
+    :func:`~fusible_ops.kernels.launch.reserve_sms` keeps free (at least 1)."""
+    n = num_sms(device, interpreter_programs)
+    return n if device.type != "cuda" else max(1, n - SM_RESERVE[0])
+
+
 def persistent_grid(M: int, G: int, n_cols: int, device: torch.device):
     """Persistent grid: min(#SMs x programs per SM, upper bound of the tile count over any split
     of M rows into G groups); the SMs :func:`~fusible_ops.kernels.launch.reserve_sms` keeps free
     are left out."""
-    progs = persistent_sms(device, INTERP_PROGS)
+    progs = persistent_sms(device)
 
     def grid(meta):
         max_tiles = (cdiv(M, meta["BM"]) + G) * cdiv(n_cols, meta["BN"])
@@ -348,6 +355,6 @@ def same_dtype(a: torch.Tensor, b: torch.Tensor) -> None:
         raise TypeError(f"operands must share a dtype, got {a.dtype} and {b.dtype}")
 
 
-__all__ = ["INTERP_MN", "INTERP_PROGS", "INTERP_WG", "check_splits", "group_p2", "persistent_grid", "same_dtype",
+__all__ = ["INTERP_MN", "INTERP_PROGS", "INTERP_WG", "check_splits", "group_p2", "persistent_grid", "persistent_sms", "same_dtype",
            "splits_assert", "splits_equal_assert", "splits_ok", "tma_ok"] + (["group_rows", "group_table", "locate_tile", "mainloop", "mn_config", "operand_descs", "pick", "split_cols",
                          "tile_coords", "tile_space", "wgrad_config", "wgrad_store", "wgrad_tile"] if HAS_TRITON else [])

@@ -443,7 +443,7 @@ def test_reserve_sms_nests_and_restores():
         with launch.reserve_sms(-3):
             assert launch.SM_RESERVE[0] == 0
         assert launch.SM_RESERVE[0] == 16
-        assert launch.persistent_sms(torch.device("cpu"), 2) == 2  # (the interpreter's programs: unchanged)
+        assert persistent.persistent_sms(torch.device("cpu"), 2) == 2  # (the interpreter's programs: unchanged)
     assert launch.SM_RESERVE[0] == 0
 
 
@@ -455,7 +455,7 @@ def test_gpu_reserved_sms_shrink_the_persistent_grid_not_the_result():
     x, w, b, dy, split = _data(300, 72, 64, [100, 0, 150, 50], torch.bfloat16, "cuda")
     sms = launch.num_sms(x.device)
     with launch.reserve_sms(sms - 3):
-        assert launch.persistent_sms(x.device) == 3
+        assert persistent.persistent_sms(x.device) == 3
         grid = persistent.persistent_grid(300, 4, 72, x.device)({"BM": 16, "BN": 16})
         assert grid == (3,)
         reserved = [gg.grouped_gemm_fwd(x, w, split, b), gg.grouped_gemm_dgrad(dy, w, split),
