@@ -120,8 +120,10 @@ def test_new_lengths_compile_no_more_often_than_plain_torch(dynamic):
     """New sequence lengths recompile no more often than for the plain torch.nn model; the output
     equals eager (``dynamic=True`` with torch's default ``specialize_float=False`` included)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(Block(), Block())
-    plain = _graphs_over_lengths(torch.nn.Sequential(PlainBlock(), PlainBlock()), dynamic)
+    # (one block: the recompile behaviour is per module; two blocks doubled the ~18 s of tracing,
+    # and the two-block model's no-break / no-recompile test is test_compiled_model_has_no_break...)
+    model = torch.nn.Sequential(Block())
+    plain = _graphs_over_lengths(torch.nn.Sequential(PlainBlock()), dynamic)
     ours = _graphs_over_lengths(model, dynamic)
     assert ours <= plain, (ours, plain)
     compiled = torch.compile(model, backend="aot_eager", dynamic=dynamic is True)
