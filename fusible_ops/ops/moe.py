@@ -409,8 +409,8 @@ class Dispatch(BasicOperation):
     of this many chunks of the local experts, each chunk's all-to-all overlapping another chunk's
     expert GEMMs (rule ``moe_ep_overlap``, :mod:`~fusible_ops.fusion_rules.moe_ep_overlap`); 1 turns
     the overlap off. The result does not depend on it. The default, 2, measured best on 2 H200s
-    (NVLink, NCCL; harness case ``ep_moe``, 2026-11-28): 1.02x the step without overlap; 4 chunks
-    0.97x, 8 chunks 0.64x (docs/scaling-out.md says why)."""
+    (NVLink, NCCL; harness case ``ep_moe``, 2026-11-28): 1.05x the step without overlap; 4 chunks
+    0.97x, 8 chunks 0.77x (docs/scaling-out.md says why)."""
 
     routing_role = "dispatch"
 

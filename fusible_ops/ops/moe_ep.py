@@ -85,10 +85,10 @@ class ExpertExchange:
     :meth:`plan`; ``send_splits[d]`` / ``recv_splits[s]``: rows sent to / received from rank d / s
     (Python ints), ``local_counts``: rows per local expert [E / ep] int64 on the device,
     ``order``: received (source-major) row of each local-expert-major row, ``inv_order`` its
-    inverse."""
+    inverse (made on first use: the overlapped exchange, :meth:`chunked`, reorders per chunk)."""
 
-    __slots__ = ("owner", "ref", "send_splits", "recv_splits", "local_counts", "order", "inv_order", "counts",
-                 "blocks", "host_counts", "host_blocks", "_chunked")
+    __slots__ = ("owner", "ref", "send_splits", "recv_splits", "local_counts", "counts", "blocks", "host_counts",
+                 "host_blocks", "_orders")
 
     @classmethod
     def plan(cls, owner: str, ref: GroupRef, counts: torch.Tensor, hidden: int, dtype: torch.dtype) -> "ExpertExchange":
@@ -119,15 +119,28 @@ class ExpertExchange:
         self.send_splits = [sum(host[d * local:(d + 1) * local]) for d in range(ep)]
         self.recv_splits = [sum(r) for r in self.host_blocks]
         blocks = recv[:, :local]  # [source, local expert] rows received
-        self.counts, self.blocks, self._chunked = counts, blocks, None
+        self.counts, self.blocks, self._orders = counts, blocks, None
         self.local_counts = blocks.sum(0)
-        total = sum(self.recv_splits)
-        dev = counts.device
-        key = torch.arange(local, device=dev) * ep + torch.arange(ep, device=dev).unsqueeze(1)  # (l, s) order
-        row_key = torch.repeat_interleave(key.reshape(-1), blocks.reshape(-1), output_size=total)
-        self.order = torch.argsort(row_key, stable=True)
-        self.inv_order = torch.empty_like(self.order).scatter_(0, self.order, torch.arange(total, device=dev))
         return self
+
+    def _reorder(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._orders is None:
+            ep, local = self.blocks.shape
+            dev = self.blocks.device
+            key = torch.arange(local, device=dev) * ep + torch.arange(ep, device=dev).unsqueeze(1)  # (l, s) order
+            total = sum(self.recv_splits)
+            row_key = torch.repeat_interleave(key.reshape(-1), self.blocks.reshape(-1), output_size=total)
+            order = torch.argsort(row_key, stable=True)
+            self._orders = (order, _inverse(order))
+        return self._orders
+
+    @property
+    def order(self) -> torch.Tensor:
+        return self._reorder()[0]
+
+    @property
+    def inv_order(self) -> torch.Tensor:
+        return self._reorder()[1]
 
     @classmethod
     def local(cls, owner: str, ref: GroupRef, counts: torch.Tensor) -> "ExpertExchange":
@@ -139,16 +152,13 @@ class ExpertExchange:
         self.host_counts = counts.tolist()
         self.host_blocks = [self.host_counts]
         self.send_splits = self.recv_splits = [sum(self.host_counts)]
-        self.counts, self.blocks, self.local_counts, self._chunked = counts, counts.view(1, -1), counts, None
-        self.order = self.inv_order = torch.arange(self.send_splits[0], device=counts.device)
+        self.counts, self.blocks, self.local_counts, self._orders = counts, counts.view(1, -1), counts, None
         return self
 
     def chunked(self, chunks: int) -> "ChunkLayout":
-        """This exchange split into ``chunks`` pipeline stages (:class:`ChunkLayout`; built once per
-        exchange, with no host sync: the split sizes came with :meth:`plan`)."""
-        if self._chunked is None or self._chunked.n != min(chunks, self.local_counts.numel()):
-            self._chunked = ChunkLayout(self, chunks)
-        return self._chunked
+        """This exchange split into ``chunks`` pipeline stages (:class:`ChunkLayout`; no host sync:
+        the split sizes came with :meth:`plan`)."""
+        return ChunkLayout(self, chunks)
 
     def to_experts(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's copies [sum(send_splits), H], sorted by global expert -> the copies of its
@@ -160,9 +170,9 @@ class ExpertExchange:
         """The adjoint (and inverse) of :meth:`to_experts`: local-expert-major rows back to the
         ranks their tokens came from, in this rank's global-expert order."""
         owner = owner or self.owner
-        if rows.shape[0] != self.inv_order.numel():
+        if rows.shape[0] != sum(self.recv_splits):
             raise ValueError(f"{owner}: the input has {rows.shape[0]} rows; the expert-parallel Dispatch delivered "
-                             f"{self.inv_order.numel()} token copies to this rank's experts")
+                             f"{sum(self.recv_splits)} token copies to this rank's experts")
         check_not_capturing(owner, self.ref)
         return _all_to_all(gather_rows(rows, self.inv_order), self.ref, self.send_splits, self.recv_splits)
 
@@ -247,7 +257,8 @@ class ChunkLayout:
         hc, hb = ex.host_counts, ex.host_blocks
         self.send_splits = [[sum(hc[d * local + b[c]:d * local + b[c + 1]]) for d in range(ep)] for c in range(n)]
         self.recv_splits = [[sum(hb[s][b[c]:b[c + 1]]) for s in range(ep)] for c in range(n)]
-        self.send_rows, self.recv_rows = _slices([sum(x) for x in self.send_splits]), _slices([sum(x) for x in self.recv_splits])
+        self.send_rows = _slices([sum(x) for x in self.send_splits])
+        self.recv_rows = _slices([sum(x) for x in self.recv_splits])
         dev = ex.counts.device
         send_key, block_index, block_key = _chunk_keys(dev, ex.counts.numel(), ep, n)
         n_send, n_recv = self.send_rows[-1].stop, self.recv_rows[-1].stop
