@@ -16,11 +16,14 @@ torchrun (or on one rank) these cases yield nothing.
   ``fused`` overlaps the all-to-alls with the experts (rule ``moe_ep_overlap``, the default
   ``ep_chunks``), ``no_overlap`` disables that rule, ``chunks_N`` sets ``ep_chunks=N``. Config
   ``ep{N}_comm`` times the step's four all-to-alls alone (``comm_alone``): the hidden fraction is
-  ``(no_overlap - fused) / comm_alone`` (BENCHMARKS.md's Targets table).
+  ``(no_overlap - fused) / comm_alone`` (BENCHMARKS.md's Targets table). ``padded`` runs the
+  exchange with no host read (``Dispatch(ep_exchange="padded")``), ``padded_graphed`` the same
+  layer captured in a CUDA graph (GPUs only).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Iterator
 
 import torch
@@ -28,7 +31,7 @@ import torch.distributed as dist
 
 import fusible_ops as fo
 
-from .cases import CASES, Bench, BenchContext, Case
+from .cases import CASES, Bench, BenchContext, Case, graphed
 from .cases_moe import moe_sequential
 
 TP_SHAPE = (16384, 8192, 28672)  # (tokens of the whole sequence, hidden, ffn)
@@ -109,10 +112,16 @@ def ep_moe(ctx: BenchContext) -> Iterator[Bench]:
 
     variants = {"fused": lambda x: ep(x)[0], "no_overlap": no_overlap, "single_gpu": lambda x: full(x)[0]}
     variants.update({f"chunks_{n}": chunked(n) for n in (2, 4, 8) if n != default_chunks})
+    padded = copy.deepcopy(ep, {id(p): p for p in ep.parameters()})  # (the same weights)
+    padded[1].ep_exchange, padded[1].ep_chunks = "padded", 1
+    variants["padded"] = lambda x: padded(x)[0]
+    variants.update({f"padded_{name}": fn for name, fn in graphed(ctx, padded, lambda inp: inp).items()})
     notes = {"fused": f"expert parallel, {local} experts per GPU, all-to-alls overlapped in {default_chunks} chunks",
              "no_overlap": "the same, rule moe_ep_overlap disabled (exchange, then the experts)",
              "single_gpu": f"all {E} experts on each GPU"}
     notes.update({f"chunks_{n}": f"overlapped in {n} chunks" for n in (2, 4, 8)})
+    notes.update({"padded": "ep_exchange='padded': no host read, every peer sent a full capacity of rows, one chunk",
+                  "padded_graphed": "the padded layer captured by fo.make_graphed_callables"})
     yield Bench(
         case="ep_moe", config=f"ep{world}", shape=f"T={T} per GPU, H={H} F={Fd} E={E} k={k}", dtype=ctx.dtype,
         metric="flops", work=18 * T * k * H * Fd, new_copy=new_copy, params=[], variants=variants, fused_module=ep,

@@ -38,7 +38,7 @@ from ..op import FusedOperation
 from ..ops.activation import GEGLU, GELU, ReGLU, ReLU, SiLU, SwiGLU
 from ..ops.grouped_linear import GroupedLinear
 from ..ops.moe import Combine, Dispatch, _need_routing
-from ..ops.moe_ep import ExpertExchange
+from ..ops.moe_ep import ExpertExchange, PaddedLayout
 from ..ops.validation import check_input
 from ..rules import match, rule
 
@@ -64,20 +64,28 @@ class EPOverlapMoE(FusedOperation):
         cd, c1, ca, c2, cc = ctxs
         _need_routing(self, routing)
         check_input(dispatch, x)
-        x2d = dispatch._rows(x, routing)  # validates; plans the exchange (its one host sync)
+        padded = dispatch.ep_exchange == "padded"
+        x2d = dispatch._rows(x, routing, exchange=not padded)  # validates; "sync": plans (its one host read)
         check_input(fc1, x2d, features=fc1.in_features, like=fc1.weight)
-        ex = routing.exchange or ExpertExchange.local("Dispatch", dispatch.ep, routing.split_sizes)
-        lay = ex.chunked(dispatch.ep_chunks)
+        if padded:
+            lay = dispatch.padded_layout(routing, x2d.shape[1], x2d.dtype)
+            routing.local_split_sizes = lay.counts[0]
+        else:
+            ex = routing.exchange or ExpertExchange.local("Dispatch", dispatch.ep, routing.split_sizes)
+            lay = ex.chunked(dispatch.ep_chunks)
         send = gather_rows(x2d, Dispatch.gather_index(routing).index_select(0, lay.send_order))
         recv = send.new_empty((lay.recv_rows[-1].stop, send.shape[1]))
         arriving = [lay.to_experts(recv, send, c) for c in range(lay.n)]
         home = send.new_empty((send.shape[0], fc2.out_features))
         leaving, kept = [], []
-        with reserve_sms(COMM_SMS):
+        with reserve_sms(COMM_SMS if lay.n > 1 else 0):
             self._forward_chunks(lay, recv, home, arriving, leaving, kept)
         for w in leaving:
             w.wait()
-        index = lay.send_pos.index_select(0, routing.inv_perm).view(routing.num_tokens, routing.top_k)
+        if padded:  # (the copies back in the Dispatch's order: what Combine's kernels index)
+            home, index = lay.compact(home), routing.inv_perm.view(routing.num_tokens, routing.top_k)
+        else:
+            index = lay.send_pos.index_select(0, routing.inv_perm).view(routing.num_tokens, routing.top_k)
         out = gather_sum(home, index, routing.probs).reshape(*routing.token_shape, fc2.out_features)
         if cc.requires_grad:
             cd.layout, cd.input_shape = lay, x.shape
@@ -107,12 +115,15 @@ class EPOverlapMoE(FusedOperation):
         dhome, dprobs = combine_bwd(dy.reshape(-1, fc2.out_features), home, index, probs)
         if cd.probs_grad:
             routing.dprobs = dprobs
+        padded = isinstance(lay, PaddedLayout)
+        if padded:
+            dhome = lay.expand(dhome)
         drecv = dhome.new_empty((lay.recv_rows[-1].stop, fc2.out_features))
         arriving = [lay.to_experts(drecv, dhome, c) for c in range(lay.n)]
         need_dx = cd.input_requires_grad
         dsend = dhome.new_empty((dhome.shape[0], fc1.in_features)) if need_dx else None
         leaving, grads = [], []  # grads: per chunk (FC2's output grad, FC1's output grad)
-        with reserve_sms(COMM_SMS):
+        with reserve_sms(COMM_SMS if lay.n > 1 else 0):
             for c in range(lay.n):
                 lo, hi = lay.bounds[c], lay.bounds[c + 1]
                 h = kept[3 * c + 1]
@@ -130,6 +141,8 @@ class EPOverlapMoE(FusedOperation):
                                     [(do, kept[3 * c + 2]) for c, (do, _) in enumerate(grads)])
         for w in leaving:
             w.wait()
+        if padded and need_dx:
+            dsend = lay.compact(dsend)
         dx = gather_sum(dsend, index).reshape(cd.input_shape) if need_dx else None
         return dx, [(), g1, (), g2, ()], [(), (None,), (), (None,), ()]
 
@@ -160,7 +173,7 @@ def _check(ops, ctx):
     dispatch, fc1, act, fc2, _ = ops
     if dispatch.ep_size <= 1:
         return "no expert-parallel group: nothing to overlap"
-    if dispatch.ep_chunks <= 1:
+    if dispatch.ep_chunks <= 1 and dispatch.ep_exchange != "padded":
         return "Dispatch(ep_chunks=1): the overlap is off"
     if ctx.recipe is not None:
         return ("FP8 autocast: a chunk would take its own per-tensor scales, not the layer's; the unfused "

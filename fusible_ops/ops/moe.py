@@ -44,7 +44,12 @@ from ..kernels.moe_router import expert_counts_ref, route, router_dlogits, sort_
 from ..op import BasicOperation
 from .comm import GroupRef
 from .grouped_linear import GroupedLinear
-from .moe_ep import ExpertExchange, RoutingError, check_layout, from_experts_autograd, to_experts_autograd
+from .moe_ep import (ExpertExchange, PaddedLayout, RoutingError, agree_on, check_layout, check_not_capturing,
+                     dtype_code, from_experts_autograd, to_experts_autograd)
+
+PADDED_DECLINED = ("ep_exchange='padded' takes effect only where the layer fuses as rule moe_ep_overlap (Dispatch -> "
+                   "GroupedLinear -> activation -> GroupedLinear -> Combine, not under FP8 autocast); here the "
+                   "unfused ops run (Sequential.explain() says why)")
 from .validation import check_input
 
 SCORES = ("softmax", "sigmoid")
@@ -410,24 +415,46 @@ class Dispatch(BasicOperation):
     expert GEMMs (rule ``moe_ep_overlap``, :mod:`~fusible_ops.fusion_rules.moe_ep_overlap`); 1 turns
     the overlap off. The result does not depend on it. The default, 2, measured best on 2 H200s
     (NVLink, NCCL; harness case ``ep_moe``, 2026-11-28): 1.05x the step without overlap; 4 chunks
-    0.97x, 8 chunks 0.77x (docs/scaling-out.md says why)."""
+    0.97x, 8 chunks 0.77x (docs/scaling-out.md says why).
+
+    ``ep_exchange`` (expert parallel only): ``"sync"`` (default) sends each peer exactly its copies,
+    after one host read of the split sizes per forward. ``"padded"`` reads nothing on the host, so
+    the layer can be captured in a CUDA graph (``fo.make_graphed_callables``): every rank sends
+    every peer a fixed capacity of rows, its own number of copies N, and the split sizes stay on
+    the device (:class:`~fusible_ops.ops.moe_ep.PaddedLayout`). Costs: ``ep`` times the all-to-all
+    traffic and the received copies' memory, no chunked overlap (``ep_chunks`` is 1), and every
+    rank must route the same number of tokens (checked when it changes: one host read then). It
+    runs where the layer fuses as rule ``moe_ep_overlap`` (``Dispatch -> GroupedLinear ->
+    activation -> GroupedLinear -> Combine``, not under FP8 autocast); elsewhere the ``"sync"``
+    exchange runs and capturing it is an error."""
 
     routing_role = "dispatch"
 
-    def __init__(self, ep_group=None, *, ep_chunks: int = 2) -> None:
+    def __init__(self, ep_group=None, *, ep_chunks: Optional[int] = None, ep_exchange: str = "sync") -> None:
         super().__init__()
+        if ep_exchange not in ("sync", "padded"):
+            raise ValueError(f"Dispatch: ep_exchange must be 'sync' or 'padded', got {ep_exchange!r}")
+        if ep_chunks is None:
+            ep_chunks = 2 if ep_exchange == "sync" else 1
         if isinstance(ep_chunks, bool) or not isinstance(ep_chunks, int) or ep_chunks < 1:
             raise ValueError(f"Dispatch: ep_chunks must be a positive int, got {ep_chunks!r}")
+        if ep_exchange == "padded" and ep_chunks != 1:
+            raise ValueError(f"Dispatch: ep_exchange='padded' exchanges in one piece (ep_chunks=1), got "
+                             f"ep_chunks={ep_chunks}: each chunk would pad to the full capacity")
         self.ep = GroupRef("Dispatch", ep_group, none_ok=True)
-        self.ep_chunks = ep_chunks
+        self.ep_chunks, self.ep_exchange = ep_chunks, ep_exchange
         self._layout_checked = False  # (expert parallel: every rank's layout compared on the first call)
+        self._padded_key = None  # (ep_exchange="padded": the (copies, hidden, dtype) every rank agreed on)
 
     @property
     def ep_size(self) -> int:
         return self.ep.size
 
     def extra_repr(self) -> str:
-        return f"ep_size={self.ep.size}, ep_rank={self.ep.rank}, ep_chunks={self.ep_chunks}" if self.ep.size > 1 else ""
+        if self.ep.size <= 1:
+            return ""
+        return (f"ep_size={self.ep.size}, ep_rank={self.ep.rank}, ep_chunks={self.ep_chunks}"
+                + (f", ep_exchange={self.ep_exchange!r}" if self.ep_exchange != "sync" else ""))
 
     @classmethod
     def _example(cls, n: int, **factory):
@@ -438,7 +465,29 @@ class Dispatch(BasicOperation):
         """The token (row of the input) of each output row, before any expert-parallel exchange."""
         return torch.div(routing.perm, routing.top_k, rounding_mode="floor")
 
-    def _rows(self, x, routing: Routing) -> torch.Tensor:
+    def padded_layout(self, routing: Routing, hidden: int, dtype: torch.dtype) -> PaddedLayout:
+        """The ``ep_exchange="padded"`` exchange of this call (no host read, unless the number of
+        copies, the hidden size or the dtype changed since the last call: then every rank compares
+        them, and a mismatch is the same ``ValueError`` on every rank)."""
+        rows = routing.num_tokens * routing.top_k
+        key = (rows, hidden, dtype_code(dtype))
+        if key != self._padded_key:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"Dispatch: ep_exchange='padded' met {rows} token copies of hidden size {hidden} "
+                                   f"({dtype}) while a CUDA graph was being captured; the ranks compare them on the "
+                                   f"first call of each shape: run one call of this shape before capturing")
+            every = agree_on("Dispatch", self.ep, key, routing.split_sizes.device)
+            if len(set(every)) > 1:
+                seen = "; ".join(f"rank {r}: {n} copies, hidden {h}" for r, (n, h, _) in enumerate(every))
+                raise ValueError(f"Dispatch: ep_exchange='padded' needs the same number of token copies, hidden size "
+                                 f"and dtype on every rank of the expert-parallel group ({seen}); route the same "
+                                 f"number of tokens everywhere, or use ep_exchange='sync'")
+            self._padded_key = key
+        return PaddedLayout(self.ep, routing.split_sizes, rows)
+
+    def _rows(self, x, routing: Routing, exchange: bool = True) -> torch.Tensor:
+        """Validate the tokens, sort the copies by expert, compare the ranks' layouts (first call);
+        ``exchange``: also plan the host-synced exchange (``routing.exchange``)."""
         x2d = x.reshape(-1, x.shape[-1])
         if x2d.shape[0] != routing.num_tokens:
             raise ValueError(f"Dispatch: the input has {x2d.shape[0]} rows but the Router routed "
@@ -449,8 +498,12 @@ class Dispatch(BasicOperation):
             if routing.ep_error is not None or not self._layout_checked:
                 check_layout("Dispatch", self.ep, routing.num_experts, routing.ep_error, x2d.device)
                 self._layout_checked = True
-            routing.exchange = ExpertExchange.plan("Dispatch", self.ep, routing.split_sizes, x2d.shape[1], x2d.dtype)
-            routing.local_split_sizes = routing.exchange.local_counts
+            if exchange:
+                if self.ep_exchange == "padded":
+                    check_not_capturing("Dispatch", self.ep, PADDED_DECLINED)
+                routing.exchange = ExpertExchange.plan("Dispatch", self.ep, routing.split_sizes, x2d.shape[1],
+                                                       x2d.dtype)
+                routing.local_split_sizes = routing.exchange.local_counts
         return x2d
 
     def begin(self, ctx, x, routing: Routing) -> torch.Tensor:

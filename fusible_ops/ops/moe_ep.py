@@ -50,10 +50,7 @@ def check_layout(owner: str, ref: GroupRef, experts: int, error: Optional[str], 
     any (:class:`~fusible_ops.ops.moe.RoutingLayout`'s ``ep_errors``). Raises the same
     :class:`RoutingError` on every rank when any rank has an error or the ranks disagree, so no
     rank is left waiting in an exchange its peers never join."""
-    mine = torch.tensor([experts, 0 if error is None else 1], dtype=torch.int64, device=device)
-    every = torch.empty(ref.size * 2, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=ref.group)
-    rows = every.view(ref.size, 2).tolist()  # the host sync (first call only, when all is well)
+    rows = agree_on(owner, ref, (experts, 0 if error is None else 1), device)  # (first call only, when all is well)
     if not any(flag for _, flag in rows) and len({e for e, _ in rows}) == 1:
         return
     messages = [None] * ref.size
@@ -64,13 +61,29 @@ def check_layout(owner: str, ref: GroupRef, experts: int, error: Optional[str], 
                        + (said if said else f"the ranks' Routers have different numbers of experts ({counts})"))
 
 
-def check_not_capturing(owner: str, ref: GroupRef) -> None:
-    """Expert-parallel exchanges sync with the host: refuse a CUDA graph capture clearly."""
+def check_not_capturing(owner: str, ref: GroupRef, why: Optional[str] = None) -> None:
+    """The synced exchange reads its split sizes on the host: refuse a CUDA graph capture clearly
+    (``why``: what the message adds, e.g. why a padded exchange did not run)."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
-            f"{owner}: expert parallel (ep_group of {ref.size} ranks) is not graph-capturable: its all-to-all needs "
-            f"the split sizes on the host (one sync per MoE layer per forward). Run the MoE layer eagerly (capture "
-            f"the layers around it), or use ep_group=None")
+            f"{owner}: expert parallel (ep_group of {ref.size} ranks) is not graph-capturable with "
+            f"ep_exchange='sync': its all-to-all needs the split sizes on the host (one sync per MoE layer per "
+            f"forward). " + (f"{why}. " if why else "Use Dispatch(ep_exchange='padded') in a fused MoE layer, ")
+            + "run the MoE layer eagerly (capture the layers around it), or use ep_group=None")
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A float dtype as an int that ranks can exchange (-1: not a float dtype)."""
+    return _DTYPE_CODE.get(dtype, -1)
+
+
+def agree_on(owner: str, ref: GroupRef, key: tuple, device: torch.device) -> list:
+    """Every rank's ``key`` (a tuple of ints), gathered over ``ref``'s group (collective; one host
+    read). The caller compares them; every rank sees the same list, so all raise together."""
+    mine = torch.tensor(key, dtype=torch.int64, device=device)
+    every = torch.empty(ref.size * len(key), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine, group=ref.group)
+    return [tuple(r) for r in every.view(ref.size, len(key)).tolist()]
 
 
 def _all_to_all(x: torch.Tensor, ref: GroupRef, out_splits: list, in_splits: list) -> torch.Tensor:
@@ -281,6 +294,77 @@ class ChunkLayout:
         """Start chunk ``c``'s trip back: ``rows`` (the chunk's rows, source-major: ``x[back[c]]`` of
         local-expert-major ``x``) -> ``out``'s chunk ``c`` (chunk-major, as sent)."""
         return _start(out[self.send_rows[c]], rows, self.ex.ref, self.send_splits[c], self.recv_splits[c])
+
+
+class PaddedLayout:
+    """The exchange with no host sync (``Dispatch(ep_exchange="padded")``): every rank sends every
+    peer a fixed ``capacity`` of rows, ``C = N``, this rank's number of token copies (the most it can
+    send one peer; every rank of the group must have the same N, checked by the Dispatch whenever N
+    changes). The all-to-alls then have equal splits known on the host, the counts travel on the
+    device, and the rows past each peer's count are padding that no one reads. The local experts'
+    rows are the first ``sum(local_counts)`` rows of a ``[ep * C, H]`` buffer (the grouped GEMMs
+    walk only their groups' rows; the rows past them are left as they are). So the layer can be
+    captured in a CUDA graph and replayed with other routings; it moves ``ep * C`` rows each way
+    per rank where :class:`ExpertExchange` moves N: ``ep`` times the traffic and the memory of the
+    received copies.
+
+    Same interface as one-chunk :class:`ChunkLayout` (``n = 1``), plus :meth:`compact` /
+    :meth:`expand` between the padded send buffer (``ep * C`` rows) and the copies in the
+    Dispatch's expert order (N rows). All index tensors are built on the device from the counts.
+    """
+
+    __slots__ = ("ref", "n", "bounds", "capacity", "send_rows", "recv_rows", "send_order", "send_pos", "order", "back",
+                 "counts")
+
+    def __init__(self, ref: GroupRef, counts: torch.Tensor, rows: int) -> None:
+        ep, experts = ref.size, counts.numel()
+        local = experts // ep
+        dev = counts.device
+        self.ref, self.n, self.bounds, self.capacity = ref, 1, [0, local], rows
+        size = ep * rows
+        self.send_rows = self.recv_rows = [slice(0, size)]
+        per_dest = counts.view(ep, local)
+        blocks = torch.empty_like(per_dest)  # row s: rank s's copies of my experts
+        _start(blocks, per_dest, ref, None, None).wait()
+        # send side: peer d's rows are the Dispatch's rows [off_d, off_d + n_d), in slot d
+        n_d = per_dest.sum(1)
+        off_d = torch.cumsum(n_d, 0) - n_d
+        j = torch.arange(rows, device=dev)
+        self.send_order = torch.where(j < n_d[:, None], off_d[:, None] + j, 0).reshape(-1)
+        i = torch.arange(rows, device=dev)
+        d = torch.searchsorted(torch.cumsum(n_d, 0), i, right=True).clamp_(max=ep - 1)
+        self.send_pos = d * rows + i - off_d[d]
+        # receive side: local expert l's rows from source s, in (l, s) order, from slot s
+        sizes = blocks.t().reshape(-1)  # [(l, s)]
+        ends = torch.cumsum(sizes, 0)
+        r = torch.arange(size, device=dev)
+        b = torch.searchsorted(ends, r, right=True)
+        valid = b < sizes.numel()
+        b = b.clamp_(max=max(sizes.numel() - 1, 0))
+        l, s = torch.div(b, ep, rounding_mode="floor"), b % ep
+        base = torch.cumsum(blocks, 1) - blocks  # [s, l]: first row of expert l in slot s
+        src = s * rows + base[s, l] + r - (ends[b] - sizes[b])
+        self.order = [torch.where(valid, src, 0)]
+        back = torch.zeros(size + 1, dtype=torch.int64, device=dev)
+        back.scatter_(0, torch.where(valid, src, size), r)
+        self.back = [back[:size]]
+        self.counts = [blocks.sum(0)]
+
+    def compact(self, padded: torch.Tensor) -> torch.Tensor:
+        """The returned rows of the padded send buffer -> the N copies in the Dispatch's order."""
+        return gather_rows(padded, self.send_pos)
+
+    def expand(self, rows: torch.Tensor) -> torch.Tensor:
+        """The N copies in the Dispatch's order -> the padded send buffer (padding rows repeat row 0)."""
+        return gather_rows(rows, self.send_order)
+
+    def to_experts(self, out: torch.Tensor, rows: torch.Tensor, c: int = 0):
+        """Start the trip to the experts: padded send buffer -> padded receive buffer (async work)."""
+        return _start(out, rows, self.ref, None, None)
+
+    def from_experts(self, out: torch.Tensor, rows: torch.Tensor, c: int = 0):
+        """Start the trip back: ``rows`` (``x[back[0]]`` of local-expert-major ``x``) -> ``out``."""
+        return _start(out, rows, self.ref, None, None)
 
 
 def _slices(sizes: list) -> list:

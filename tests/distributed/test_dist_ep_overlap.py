@@ -161,7 +161,8 @@ def test_ep_moe_bench_case_runs():
 
 
 @pytest.mark.parametrize("backend, world", [pytest.param("gloo", 2, id="gloo-2"), pytest.param("gloo", 4, id="gloo-4"),
-                                            pytest.param("nccl", 2, id="nccl-2", marks=pytest.mark.gpu)])
+                                            pytest.param("nccl", 2, id="nccl-2", marks=pytest.mark.gpu),
+                                            pytest.param("nccl", 4, id="nccl-4", marks=pytest.mark.gpu)])
 def test_ep_overlap_equals_one_process(backend, world):
     run_ranks(body_overlap_equals_one_process, world, backend)
 
