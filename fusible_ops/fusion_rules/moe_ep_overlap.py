@@ -23,6 +23,11 @@ every rank's tokens, bit for bit (on GPUs a chunk's GEMM may take other tile con
 within the tolerance table). It declines (falls back to the unfused expert-parallel ops) under FP8
 autocast (a per-tensor scale would be taken per chunk instead of over the layer) and for
 ``ep_chunks=1``. How much it hides, measured: docs/scaling-out.md.
+
+With ``Dispatch(ep_exchange="padded")`` the same op runs the exchange with no host read as one
+chunk (:class:`~fusible_ops.ops.moe_ep.PaddedLayout`: fixed-capacity all-to-alls, the expert rows
+the first rows of a padded buffer, which the grouped GEMMs walk by their groups only), so the
+layer can be captured in a CUDA graph.
 """
 
 from __future__ import annotations

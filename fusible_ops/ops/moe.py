@@ -44,8 +44,8 @@ from ..kernels.moe_router import expert_counts_ref, route, router_dlogits, sort_
 from ..op import BasicOperation
 from .comm import GroupRef
 from .grouped_linear import GroupedLinear
-from .moe_ep import (ExpertExchange, PaddedLayout, RoutingError, agree_on, check_layout, check_not_capturing,
-                     dtype_code, from_experts_autograd, to_experts_autograd)
+from .moe_ep import (ExpertExchange, PaddedLayout, RoutingError, check_layout, check_not_capturing,
+                     from_experts_autograd, to_experts_autograd)
 
 PADDED_DECLINED = ("ep_exchange='padded' takes effect only where the layer fuses as rule moe_ep_overlap (Dispatch -> "
                    "GroupedLinear -> activation -> GroupedLinear -> Combine, not under FP8 autocast); here the "
@@ -413,20 +413,16 @@ class Dispatch(BasicOperation):
     ``ep_chunks`` (expert parallel only): the exchange and the expert MLP after it run as a pipeline
     of this many chunks of the local experts, each chunk's all-to-all overlapping another chunk's
     expert GEMMs (rule ``moe_ep_overlap``, :mod:`~fusible_ops.fusion_rules.moe_ep_overlap`); 1 turns
-    the overlap off. The result does not depend on it. The default, 2, measured best on 2 H200s
-    (NVLink, NCCL; harness case ``ep_moe``, 2026-11-28): 1.05x the step without overlap; 4 chunks
-    0.97x, 8 chunks 0.77x (docs/scaling-out.md says why).
+    the overlap off. The result does not depend on it. The default, 2 (1 with ``ep_exchange="padded"``),
+    measured best on 2 H200s (NVLink, NCCL; harness case ``ep_moe``, 2026-11-28): 1.05x the step
+    without overlap; 4 chunks 0.99x, 8 chunks 0.76x (docs/scaling-out.md says why).
 
-    ``ep_exchange`` (expert parallel only): ``"sync"`` (default) sends each peer exactly its copies,
-    after one host read of the split sizes per forward. ``"padded"`` reads nothing on the host, so
-    the layer can be captured in a CUDA graph (``fo.make_graphed_callables``): every rank sends
-    every peer a fixed capacity of rows, its own number of copies N, and the split sizes stay on
-    the device (:class:`~fusible_ops.ops.moe_ep.PaddedLayout`). Costs: ``ep`` times the all-to-all
-    traffic and the received copies' memory, no chunked overlap (``ep_chunks`` is 1), and every
-    rank must route the same number of tokens (checked when it changes: one host read then). It
-    runs where the layer fuses as rule ``moe_ep_overlap`` (``Dispatch -> GroupedLinear ->
-    activation -> GroupedLinear -> Combine``, not under FP8 autocast); elsewhere the ``"sync"``
-    exchange runs and capturing it is an error."""
+    ``ep_exchange`` (expert parallel only): ``"sync"`` (default) sends each peer exactly its copies
+    after one host read of the split sizes per forward; ``"padded"`` reads nothing on the host, so
+    the layer captures in a CUDA graph, at ``ep`` times the traffic (each peer gets a fixed
+    capacity, this rank's N copies; :class:`~fusible_ops.ops.moe_ep.PaddedLayout`). Padded needs
+    the same token count on every rank and runs as one chunk where rule ``moe_ep_overlap`` fuses
+    the layer (not under FP8); elsewhere the synced exchange runs (docs/scaling-out.md)."""
 
     routing_role = "dispatch"
 
@@ -466,24 +462,10 @@ class Dispatch(BasicOperation):
         return torch.div(routing.perm, routing.top_k, rounding_mode="floor")
 
     def padded_layout(self, routing: Routing, hidden: int, dtype: torch.dtype) -> PaddedLayout:
-        """The ``ep_exchange="padded"`` exchange of this call (no host read, unless the number of
-        copies, the hidden size or the dtype changed since the last call: then every rank compares
-        them, and a mismatch is the same ``ValueError`` on every rank)."""
-        rows = routing.num_tokens * routing.top_k
-        key = (rows, hidden, dtype_code(dtype))
-        if key != self._padded_key:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"Dispatch: ep_exchange='padded' met {rows} token copies of hidden size {hidden} "
-                                   f"({dtype}) while a CUDA graph was being captured; the ranks compare them on the "
-                                   f"first call of each shape: run one call of this shape before capturing")
-            every = agree_on("Dispatch", self.ep, key, routing.split_sizes.device)
-            if len(set(every)) > 1:
-                seen = "; ".join(f"rank {r}: {n} copies, hidden {h}" for r, (n, h, _) in enumerate(every))
-                raise ValueError(f"Dispatch: ep_exchange='padded' needs the same number of token copies, hidden size "
-                                 f"and dtype on every rank of the expert-parallel group ({seen}); route the same "
-                                 f"number of tokens everywhere, or use ep_exchange='sync'")
-            self._padded_key = key
-        return PaddedLayout(self.ep, routing.split_sizes, rows)
+        """The ``ep_exchange="padded"`` exchange of this call (:meth:`PaddedLayout.plan`)."""
+        lay, self._padded_key = PaddedLayout.plan("Dispatch", self.ep, routing.split_sizes,
+                                                  routing.num_tokens * routing.top_k, hidden, dtype, self._padded_key)
+        return lay
 
     def _rows(self, x, routing: Routing, exchange: bool = True) -> torch.Tensor:
         """Validate the tokens, sort the copies by expert, compare the ranks' layouts (first call);

@@ -21,7 +21,10 @@ every token copy to the rank owning its expert and back:
 What must hold: every rank of the group runs the same layers in the same order, with the same
 ``requires_grad`` of their inputs (each exchange is a collective); the number of tokens may differ
 per rank (zero too). Not graph-capturable (the host sync): a capturing CUDA stream is an error.
-With NCCL, ``torch.ops.symm_mem.all_to_all_vdev`` (device-side counts) could lift that later.
+
+:class:`PaddedLayout` (``Dispatch(ep_exchange="padded")``) is the exchange with no host read:
+equal split sizes (each peer gets a fixed capacity of rows), the counts kept on the device;
+graph-capturable, at ``ep`` times the traffic (docs/scaling-out.md has both measured).
 """
 
 from __future__ import annotations
@@ -349,6 +352,26 @@ class PaddedLayout:
         back.scatter_(0, torch.where(valid, src, size), r)
         self.back = [back[:size]]
         self.counts = [blocks.sum(0)]
+
+    @classmethod
+    def plan(cls, owner: str, ref: GroupRef, counts: torch.Tensor, rows: int, hidden: int, dtype: torch.dtype,
+             agreed: Optional[tuple] = None) -> tuple["PaddedLayout", tuple]:
+        """The layout of this call and the (copies, hidden, dtype) key the ranks agreed on. No host
+        read unless the key differs from ``agreed`` (the last call's): then every rank compares
+        them (collective), and a mismatch is the same ``ValueError`` on every rank."""
+        key = (rows, hidden, dtype_code(dtype))
+        if key != agreed:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"{owner}: ep_exchange='padded' met {rows} token copies of hidden size {hidden} "
+                                   f"({dtype}) while a CUDA graph was being captured; the ranks compare them on the "
+                                   f"first call of each shape: run one call of this shape before capturing")
+            every = agree_on(owner, ref, key, counts.device)
+            if len(set(every)) > 1:
+                seen = "; ".join(f"rank {r}: {n} copies, hidden {h}" for r, (n, h, _) in enumerate(every))
+                raise ValueError(f"{owner}: ep_exchange='padded' needs the same number of token copies, hidden size "
+                                 f"and dtype on every rank of the expert-parallel group ({seen}); route the same "
+                                 f"number of tokens everywhere, or use ep_exchange='sync'")
+        return cls(ref, counts, rows), key
 
     def compact(self, padded: torch.Tensor) -> torch.Tensor:
         """The returned rows of the padded send buffer -> the N copies in the Dispatch's order."""
