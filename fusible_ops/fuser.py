@@ -41,6 +41,8 @@ from .kernels import current_mode, set_mode
 from .op import STATE_EPOCH as _STATE_EPOCH
 from .op import BasicOperation, OperationContext, set_fuser_factory
 from .quantization.recipes import current_recipe
+from .quantization.recipes import scope as fp8_scope
+from .quantization.recipes import state as fp8_state
 from .quantization.tensor import Float8Tensor
 from .rules import COST_HINTS, FusionContext, RuleSet, disabled_key, global_rules, plan_pass
 from .channels import find_channels
@@ -463,6 +465,8 @@ class _FuserFunction(torch.autograd.Function):
                     c._saved = ()
             func_ctx.save_for_backward(*flat)
             func_ctx.state = (fuser, plan, ctxs, counts, x.requires_grad)
+            fp8 = fp8_state()  # (backward reduces its amaxes over the same group)
+            func_ctx.fp8_scope = fp8 if fp8[1] is not None else None
         # An output that is an input (or another output) gets its own alias so autograd can
         # attach a distinct grad_fn to it.
         if not has_extra_out:  # the common case: one output
@@ -488,79 +492,87 @@ class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(func_ctx, dy, *grad_extra_outputs_flat):
-        fuser, plan, fwd_ctxs, counts, x_requires_grad = func_ctx.state
-        ops = fuser.ops
-        if fuser.num_extra_outputs:
-            grad_extra_out: list[tuple] = []
-            k = 0
-            for m in fuser._num_extra_outputs:
-                grad_extra_out.append(tuple(grad_extra_outputs_flat[k : k + m]))
-                k += m
-        else:
-            grad_extra_out = fuser._no_extras
-        routes = fuser._channels
-        if routes is not None:  # producers get their consumers' extra-input gradients (below)
-            grad_extra_out = [(None,) if i in routes.producers else g for i, g in enumerate(grad_extra_out)]
-        # Views of the forward ctxs that carry the saved tensors: nothing created in forward is
-        # mutated, so torch.compile can trace the backward too.
-        saved, k, ctxs = func_ctx.saved_tensors, 0, []
-        eager = not _is_compiling()
-        for c, m in zip(fwd_ctxs, counts):
-            mine = saved[k : k + m] if m else ()
+        if func_ctx.fp8_scope is None:
+            return _fuser_backward(func_ctx, dy, grad_extra_outputs_flat)
+        with fp8_scope(func_ctx.fp8_scope):
+            return _fuser_backward(func_ctx, dy, grad_extra_outputs_flat)
+
+
+def _fuser_backward(func_ctx, dy, grad_extra_outputs_flat):
+    """The body of :meth:`_FuserFunction.backward` (inside the forward's FP8 amax-reduction scope, if any)."""
+    fuser, plan, fwd_ctxs, counts, x_requires_grad = func_ctx.state
+    ops = fuser.ops
+    if fuser.num_extra_outputs:
+        grad_extra_out: list[tuple] = []
+        k = 0
+        for m in fuser._num_extra_outputs:
+            grad_extra_out.append(tuple(grad_extra_outputs_flat[k : k + m]))
             k += m
-            if eager:  # the view's attributes: a copy of the forward ctx's (reads then skip __getattr__)
-                v = _new_object(_BackwardContext)
-                v.__dict__ = d = c.__dict__.copy()
-                d["_base"], d["_saved"] = c, mine
-                ctxs.append(v)
-            else:  # (dynamo traces the constructor; reads go through __getattr__)
-                ctxs.append(_BackwardContext(c, mine))
-        param_grads: list[tuple] = list(plan.no_param_grads)
-        grad_extra_in: list[tuple] = list(fuser._none_extra_grads)
-        for op, idx, gq, direct, plain_in in plan.backward_program:
-            if plain_in and type(dy) is Float8Tensor:
-                dy = dy.dequantize()
-            if direct:  # one basic op, its own op_backward (idx: its index)
-                c = ctxs[idx]
-                dy, pg = op.op_backward(c, dy)
-                pg = tuple(pg)
-                if len(pg) != len(param_grads[idx]):
-                    _check_param_grads(op, ops[idx], pg, param_grads[idx])
-                param_grads[idx] = pg
-                c._saved = ()  # (release(), written out: this runs per op per call)
-                continue
-            if gq is None:
-                dy, pg, ge = op.fuser_backward(
-                    [ctxs[i] for i in idx], dy, grad_extra_outputs=[grad_extra_out[i] for i in idx]
-                )
-            else:  # the op before this group is an FP8 linear: its output gradient may be written in FP8
-                dy, pg, ge = op.fuser_backward(
-                    [ctxs[i] for i in idx], dy, grad_extra_outputs=[grad_extra_out[i] for i in idx],
-                    prev_op_grad_output_quantizer=gq,
-                )
-            for j, i in enumerate(idx):
-                pg_i = tuple(pg[j])  # (a tuple is returned as is)
-                if len(pg_i) != len(param_grads[i]):
-                    _check_param_grads(op, ops[i], pg_i, param_grads[i])
-                param_grads[i] = pg_i
-                if ge[j] is not None:
-                    if routes is not None and i in routes.source:  # (a channel: to its producer)
-                        p, g = routes.source[i], ge[j][0]
-                        have = grad_extra_out[p][0]
-                        grad_extra_out[p] = (g if have is None else have if g is None else have + g,)
-                    else:
-                        grad_extra_in[i] = tuple(ge[j])
-                ctxs[i]._saved = ()
-        if not plan.backward_complete:
-            dy = None
-        elif type(dy) is Float8Tensor:  # autograd gets plain gradients
+    else:
+        grad_extra_out = fuser._no_extras
+    routes = fuser._channels
+    if routes is not None:  # producers get their consumers' extra-input gradients (below)
+        grad_extra_out = [(None,) if i in routes.producers else g for i, g in enumerate(grad_extra_out)]
+    # Views of the forward ctxs that carry the saved tensors: nothing created in forward is
+    # mutated, so torch.compile can trace the backward too.
+    saved, k, ctxs = func_ctx.saved_tensors, 0, []
+    eager = not _is_compiling()
+    for c, m in zip(fwd_ctxs, counts):
+        mine = saved[k : k + m] if m else ()
+        k += m
+        if eager:  # the view's attributes: a copy of the forward ctx's (reads then skip __getattr__)
+            v = _new_object(_BackwardContext)
+            v.__dict__ = d = c.__dict__.copy()
+            d["_base"], d["_saved"] = c, mine
+            ctxs.append(v)
+        else:  # (dynamo traces the constructor; reads go through __getattr__)
+            ctxs.append(_BackwardContext(c, mine))
+    param_grads: list[tuple] = list(plan.no_param_grads)
+    grad_extra_in: list[tuple] = list(fuser._none_extra_grads)
+    for op, idx, gq, direct, plain_in in plan.backward_program:
+        if plain_in and type(dy) is Float8Tensor:
             dy = dy.dequantize()
-        dx = dy if x_requires_grad else None
-        if plan.keep_all:
-            return (dx, None, None, None, *[t for e in grad_extra_in for t in e], *[t for p in param_grads for t in p])
-        flat_ge = [t if k else None for k, t in zip(plan.extra_keep, [t for e in grad_extra_in for t in e])]
-        flat_pg = [t if k else None for k, t in zip(plan.param_keep, [t for p in param_grads for t in p])]
-        return (dx, None, None, None, *flat_ge, *flat_pg)
+        if direct:  # one basic op, its own op_backward (idx: its index)
+            c = ctxs[idx]
+            dy, pg = op.op_backward(c, dy)
+            pg = tuple(pg)
+            if len(pg) != len(param_grads[idx]):
+                _check_param_grads(op, ops[idx], pg, param_grads[idx])
+            param_grads[idx] = pg
+            c._saved = ()  # (release(), written out: this runs per op per call)
+            continue
+        if gq is None:
+            dy, pg, ge = op.fuser_backward(
+                [ctxs[i] for i in idx], dy, grad_extra_outputs=[grad_extra_out[i] for i in idx]
+            )
+        else:  # the op before this group is an FP8 linear: its output gradient may be written in FP8
+            dy, pg, ge = op.fuser_backward(
+                [ctxs[i] for i in idx], dy, grad_extra_outputs=[grad_extra_out[i] for i in idx],
+                prev_op_grad_output_quantizer=gq,
+            )
+        for j, i in enumerate(idx):
+            pg_i = tuple(pg[j])  # (a tuple is returned as is)
+            if len(pg_i) != len(param_grads[i]):
+                _check_param_grads(op, ops[i], pg_i, param_grads[i])
+            param_grads[i] = pg_i
+            if ge[j] is not None:
+                if routes is not None and i in routes.source:  # (a channel: to its producer)
+                    p, g = routes.source[i], ge[j][0]
+                    have = grad_extra_out[p][0]
+                    grad_extra_out[p] = (g if have is None else have if g is None else have + g,)
+                else:
+                    grad_extra_in[i] = tuple(ge[j])
+            ctxs[i]._saved = ()
+    if not plan.backward_complete:
+        dy = None
+    elif type(dy) is Float8Tensor:  # autograd gets plain gradients
+        dy = dy.dequantize()
+    dx = dy if x_requires_grad else None
+    if plan.keep_all:
+        return (dx, None, None, None, *[t for e in grad_extra_in for t in e], *[t for p in param_grads for t in p])
+    flat_ge = [t if k else None for k, t in zip(plan.extra_keep, [t for e in grad_extra_in for t in e])]
+    flat_pg = [t if k else None for k, t in zip(plan.param_keep, [t for p in param_grads for t in p])]
+    return (dx, None, None, None, *flat_ge, *flat_pg)
 
 
 def _run_forward(fuser: OperationFuser, plan: Plan, ctxs: list, x: torch.Tensor, extra: Sequence) -> tuple:

@@ -58,6 +58,7 @@ from . import fuser as _fuser
 from .fuser_extensions import PlanExtension, register_plan_extension
 from .grad import WeightGradMixin, scheduler_active, watch_plain_weights
 from .kernels import current_mode
+from .quantization.recipes import amax_reduction_group
 from .kernels import launch as _launch
 from .quantization.casting import replay_weight_tensors, replay_weights
 from .quantization.recipes import Float8CurrentScaling
@@ -348,9 +349,10 @@ class Replayer:
         self.__init__(state["fuser"], state["plan"], state["n_extra"])
 
     def run(self, x: torch.Tensor, extra: tuple, params: list) -> Optional[torch.Tensor]:
-        if scheduler_active() or _autocast("cuda"):
+        if scheduler_active() or _autocast("cuda") or amax_reduction_group() is not None:
             # (inside delayed_wgrad() at forward: the contract's Python path; under torch.autocast
-            # the ATen ops of a call cast as autocast says when they run, not as when recorded)
+            # the ATen ops of a call cast as autocast says when they run, not as when recorded;
+            # an FP8 amax-reduction group: its collectives are not recorded)
             return None
         mode = current_mode()
         r = self.recipes.get(mode)  # (the recipe of the last call in this mode)

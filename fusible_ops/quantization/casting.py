@@ -75,6 +75,16 @@ def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, x: torch.Tens
     return scale[r : r + 1], hist[0:1, r]
 
 
+def reduce_amax(amax: torch.Tensor) -> torch.Tensor:
+    """A current-scaling amax made the max over the active ``amax_reduction_group`` (in place; one
+    all-reduce), so that every rank of the group casts with the scale one process holding all
+    their rows would take. No group: unchanged."""
+    group = amax_reduction_group()
+    if group is not None:
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+    return amax
+
+
 # ---- the hand-off object
 
 
@@ -135,7 +145,7 @@ class InputQuantizer:
         if mode == "amax":
             amax = torch.zeros(1, dtype=torch.float32, device=like.device)
             y = run(amax=amax)
-            q, qt = cast_tensor(y, amax, dtype, colwise, from_amax=True, inv=inv)  # the scale: in the cast kernel
+            q, qt = cast_tensor(y, reduce_amax(amax), dtype, colwise, from_amax=True, inv=inv)  # (scale: in the cast)
             return self._wrap(y.dtype, y.shape, q, qt, inv)
         scale, entry = _delayed_scale(self.owner, self.recipe, self.role, like)
         if colwise or not direct:  # both layouts: the producer's pass records the amax, one cast + transpose pass
@@ -181,7 +191,7 @@ def quantize(x: torch.Tensor, recipe, role: str, *, transposed: bool = False,
     dtype = fp8_dtype(recipe, role)
     inv = torch.empty(1, dtype=torch.float32, device=x.device)
     if isinstance(recipe, Float8CurrentScaling):  # the cast kernel derives the scale from the amax
-        q, qt = cast_tensor(x, tensor_amax(x), dtype, transposed, from_amax=True, inv=inv)
+        q, qt = cast_tensor(x, reduce_amax(tensor_amax(x)), dtype, transposed, from_amax=True, inv=inv)
     elif isinstance(recipe, Float8DelayedScaling):
         if owner is None:
             raise ValueError("quantize: Float8DelayedScaling needs owner= (the module holding the amax history)")

@@ -107,8 +107,12 @@ def autocast(recipe: Any = None, *, amax_reduction_group: Optional[Any] = None):
     :class:`~fusible_ops.Sequential` / fuser called inside the block. Blocks nest: the innermost
     wins, and leaving a block restores the outer setting.
 
-    ``amax_reduction_group``: a ``torch.distributed`` process group over which delayed-scaling
-    amaxes are reduced (max) before each scale update, so every rank uses the same scales.
+    ``amax_reduction_group``: a ``torch.distributed`` process group over which amaxes are reduced
+    (max), so every rank of it uses the same scales: delayed scaling's before each scale update
+    (inputs and output gradients); current scaling's for every per-tensor cast (inputs, weights,
+    output gradients: the backward of a call made inside the block reduces too), so the ranks cast
+    as one process holding all their rows would, e.g. the expert-parallel group of a MoE layer.
+    Each reduction is a collective: every rank must run the same casts in the same order.
 
     Raises ``TypeError`` for anything that is not a recipe instance.
     """
@@ -120,6 +124,22 @@ def autocast(recipe: Any = None, *, amax_reduction_group: Optional[Any] = None):
         yield recipe
     finally:
         _STACK.pop()
+
+
+@contextlib.contextmanager
+def scope(state: tuple):
+    """Re-enter a ``(recipe, amax_reduction_group)`` state saved from :func:`state` (the fuser's
+    backward runs in its forward's amax reduction group)."""
+    _STACK.append(state)
+    try:
+        yield
+    finally:
+        _STACK.pop()
+
+
+def state() -> tuple:
+    """The innermost ``(recipe, amax_reduction_group)``."""
+    return _STACK[-1]
 
 
 def current_recipe() -> Any:

@@ -21,7 +21,7 @@ from test_dist_expert_parallel import H, _dtype, _full_and_ep
 
 import fusible_ops as fo
 from fusible_ops.ops.moe import record_routing
-from fusible_ops.testing import assert_close_scaled
+from fusible_ops.testing import SQNR_DB, assert_close_scaled, assert_sqnr, sqnr
 
 SINGLE_PROCESS_RULES = ("grouped_mlp", "moe_dispatch_mlp")
 """Disabled in the single process: its plan then runs the unfused ops, as the EP ranks do."""
@@ -138,6 +138,47 @@ def body_fp8_declines(rank, world, device):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+def body_fp8_equals_one_process(rank, world, device):
+    """Under FP8 current scaling with ``autocast(amax_reduction_group=<the EP group>)`` every
+    per-tensor amax (the experts' inputs, weights, output gradients; forward and backward) is the
+    max over the ranks, i.e. the one a single process holding every rank's rows takes, so the EP
+    layer casts to the same FP8 values as one process under the same recipe. What remains is the
+    GEMMs' fp32 rounding (a group's rows are another M here than in the single process): judged
+    by the SQNR table's threshold for an FP8 kernel's own error. On CPU most results are bit-equal
+    (seen: every one at 2 ranks; 134 and 145 dB for two at 4). Without the group the scales are
+    each rank's own: some result must then fall below the threshold (seen: 12-39 dB), so the
+    comparison can fail."""
+    factory = dict(device=device, dtype=torch.float32)
+    recipe = fo.Float8CurrentScaling()
+    min_db = SQNR_DB[("kernel", "fp8 operands")]
+    cases = [(2 * world, 2, [(5 + 3 * r,) for r in range(world)]),
+             (4 * world, 1, [(2, 3)] + [(0,)] + [(r, 2) for r in range(2, world)])]
+    worst_without = float("inf")
+    for case, (experts, top_k, leads) in enumerate(cases):
+        what = f"FP8 current, E={experts} top_k={top_k} tokens {leads}, rank {rank}/{world}"
+        data = _data(world, leads, 60 + case, **factory)
+        for group in (dist.group.WORLD, None):
+            full, ep, mine = _full_and_ep(experts, top_k, "softmax", dist.group.WORLD, rank, world, **factory)
+            with fo.autocast(recipe=recipe):
+                y_ref, dx_ref = _single_process(full, data)[rank]
+            x, dy = data[rank]
+            x = x.clone().requires_grad_()
+            with fo.fusion_rules.disabled(*SINGLE_PROCESS_RULES):
+                with fo.autocast(recipe=recipe, amax_reduction_group=group):
+                    y, _ = ep(x)
+                (y * dy).sum().backward()  # (outside the block: the backward reduces over the forward's group)
+            results = [(y.reshape(-1, H), y_ref, "output"), (x.grad.reshape(-1, H), dx_ref, "input grad")]
+            results += [(ep[i].weight.grad, full[i].weight.grad[mine], f"expert weight {i} grad") for i in (2, 4)]
+            for a, b, name in results:
+                if group is None:
+                    worst_without = min(worst_without, sqnr(a, b))
+                else:
+                    assert_sqnr(a, b, min_db, msg=f"{name} ({what})")
+    worst = torch.tensor([worst_without], device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MIN)
+    assert worst.item() < min_db, f"without the reduction group every result still reached {worst.item():.1f} dB"
+
+
 def body_bench_case(rank, world, device):
     """The harness case ``ep_moe`` (quick shapes): every variant agrees with ``single_gpu``, the
     plan holds the overlap, and the exchange-alone bench runs (no timing here)."""
@@ -170,6 +211,12 @@ def test_ep_overlap_equals_one_process(backend, world):
 @pytest.mark.parametrize("backend", [pytest.param("gloo", id="gloo"), pytest.param("nccl", id="nccl", marks=pytest.mark.gpu)])
 def test_ep_overlap_gradient_contract(backend):
     run_ranks(body_gradient_contract, 2, backend)
+
+
+@pytest.mark.parametrize("backend, world", [pytest.param("gloo", 2, id="gloo-2"), pytest.param("gloo", 4, id="gloo-4"),
+                                            pytest.param("nccl", 2, id="nccl-2", marks=pytest.mark.gpu)])
+def test_ep_fp8_with_amax_reduction_equals_one_process(backend, world):
+    run_ranks(body_fp8_equals_one_process, world, backend)
 
 
 def test_ep_overlap_declines_under_fp8():
