@@ -13,10 +13,18 @@ import torch
 
 import fusible_ops as fo
 import fusible_ops.quantization.casting as Q
+from fusible_ops.ops import fp8_grouped
 from fusible_ops.testing import SQNR_DB, TOLERANCES, assert_sqnr
 
 RECIPES = {"current": fo.Float8CurrentScaling(), "delayed": fo.Float8DelayedScaling(amax_history_len=4),
            "e4m3": fo.Float8CurrentScaling(fp8_format="e4m3")}
+
+
+@pytest.fixture(autouse=True)
+def _fp8_weight_gradients(monkeypatch):
+    """These tests hold the FP8 weight gradient to the tables at their small expert sizes: the
+    16-bit one that few rows per expert take by default has its own tests (below)."""
+    monkeypatch.setattr(fp8_grouped, "FP8_WGRAD_MIN_ROWS", 0)
 
 
 def _moe(device="cpu", dtype=torch.float32, e=4, h=64, f=96, act=fo.SwiGLU, bias=False, seed=0, **kw):
@@ -464,3 +472,36 @@ def test_gpu_block_scaled_main_grad_delayed_and_frozen():
         mp.undo()
     assert calls == [] and frozen[0].weight.grad is None
     torch.testing.assert_close(dxf, dxp, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("contract", [False, True], ids=["grad", "main_grad_delayed"])
+def test_few_rows_per_expert_take_the_16bit_weight_gradient(monkeypatch, contract):
+    """Below FP8_WGRAD_MIN_ROWS rows per expert the weight gradient is the 16/32-bit grouped GEMM of
+    the saved input and the output gradient (exactly the reference kernel's, here in fp32), while
+    the forward and the input gradient stay FP8; at the threshold the FP8 weight gradient runs
+    (it differs). Through the gradient contract too (main_grad, delayed)."""
+    from fusible_ops.kernels.grouped_gemm import grouped_gemm_wgrad_ref
+
+    monkeypatch.setattr(fp8_grouped, "FP8_WGRAD_MIN_ROWS", 16)
+    kw = dict(accumulate_into_main_grad=True, delay_wgrad_compute=True) if contract else {}
+    x, dy, splits = _inputs([9, 0, 31, 20], h=64)  # 60 rows, 4 experts: 15 per expert < 16
+    grads = []
+    for rows in (60, 64):
+        torch.manual_seed(0)
+        lin = fo.Sequential(fo.GroupedLinear(4, 64, 64, bias=False, **kw))
+        if contract:
+            lin[0].weight.main_grad = torch.zeros_like(lin[0].weight)
+        xs, dys = (x, dy) if rows == 60 else (torch.cat([x, x[:4]]), torch.cat([dy, dy[:4]]))
+        sp = splits if rows == 60 else splits + torch.tensor([4, 0, 0, 0])
+        y, dx = _run(lin, xs, dys, sp, RECIPES["current"])
+        if contract:
+            lin.backward_dw()
+        dw = lin[0].weight.main_grad if contract else lin[0].weight.grad
+        exact = grouped_gemm_wgrad_ref(dys, xs, sp)
+        grads.append((torch.equal(dw, exact), dx, xs, dys, sp, lin))
+    assert grads[0][0], "15 rows per expert: the weight gradient is not the 16-bit kernel's"
+    assert not grads[1][0], "16 rows per expert: the weight gradient should be FP8's"
+    _, dx, xs, dys, sp, lin = grads[0]
+    _, dx_ref, _ = _ref64(lin, xs, dys, sp)
+    assert not torch.equal(dx.double(), dx_ref), "the input gradient should stay FP8"
+    assert_sqnr(dx, dx_ref, SQNR_DB["grad", "hybrid"])

@@ -14,6 +14,12 @@ Hopper's FP8 MMA reads:
   into ``main_grad`` under the gradient contract (delayed wgrad keeps those copies until
   ``backward_dw()``; a frozen weight keeps no copy of x).
 
+Short reductions: with fewer than :data:`FP8_WGRAD_MIN_ROWS` rows per expert on average (a shape,
+known on the host), per-tensor recipes compute the weight gradient in the input's precision
+instead (the 16-bit grouped weight-gradient kernel, fp32 accumulation, from the saved input and
+the output gradient), where the FP8 one measured slower; the GEMMs of the forward and the input
+gradient stay in FP8.
+
 Per-tensor recipes: one scale per tensor (all experts' weights share one). Block scaling
 (:class:`~fusible_ops.Float8BlockScaling`): x and dy in 1x128 tiles along K, each expert's weight
 in 128x128 blocks; the weight gradient reduces over tokens, so the column-wise copies of x and dy
@@ -30,9 +36,17 @@ import torch
 
 from ..grad import deliver_weight_grad
 from ..kernels.fp8_grouped_gemm import fp8_grouped_mm, fp8_grouped_wgrad, pad_groups
-from ..kernels.grouped_gemm import grouped_bias_grad
+from ..kernels.grouped_gemm import grouped_bias_grad, grouped_gemm_wgrad
 from ..quantization.casting import cached_weight, quantize
 from ..quantization.recipes import Float8BlockScaling, current_recipe
+
+
+FP8_WGRAD_MIN_ROWS = 512
+"""Rows per expert (token rows / groups) below which a per-tensor FP8 GroupedLinear computes its
+weight gradient in 16 bits. Its reduction runs over an expert's rows, so each output tile's K loop
+is that short, and the FP8 kernel's per-tile cost dominates. H200, 2026-11-28 (.diag profiles):
+64 experts of 256 rows (grouped_mlp_64e shapes), FP8 0.708 ms against bf16 0.429 ms per weight
+gradient; at N=14336, K=4096, FP8 over bf16 1.18x at 1024 rows per expert, 1.34x at 2048."""
 
 
 def grouped_recipe():
@@ -67,14 +81,18 @@ def fp8_grouped_forward(op, ctx, x2d: torch.Tensor, splits: torch.Tensor, recipe
     dg = train and ctx.input_requires_grad
     _check_block_dims(op, recipe)
     block = isinstance(recipe, Float8BlockScaling)
-    xq = quantize(x2d, recipe, "input", transposed=wg and not block, owner=owner)
+    hp_wgrad = wg and not block and x2d.shape[0] < FP8_WGRAD_MIN_ROWS * op.num_groups
+    xq = quantize(x2d, recipe, "input", transposed=wg and not block and not hp_wgrad, owner=owner)
     wq = cached_weight(owner, w, recipe, transposed=dg, grouped=True)
     y = fp8_grouped_mm(xq.rowwise, wq.rowwise, splits, x2d.dtype, op.bias)
     if train:
-        ctx.weight_grad = wg
+        ctx.weight_grad, ctx.hp_wgrad = wg, hp_wgrad
         ctx.bias_grad = op.bias is not None and op.bias.requires_grad
         ctx.fp8 = recipe
-        xt = _colwise(x2d, splits, recipe, "input", xq, owner) if wg else (None, None)
+        if hp_wgrad:  # (the input itself; the second slot unused)
+            xt = (x2d, None)
+        else:
+            xt = _colwise(x2d, splits, recipe, "input", xq, owner) if wg else (None, None)
         wt = wq.colwise if dg else (None, None)
         ctx.save_for_backward(*xt, *wt, splits)
     return y
@@ -87,10 +105,17 @@ def fp8_grouped_backward(op, ctx, dy2d: torch.Tensor) -> tuple:
     w = op.weight
     owner = op.param_owner("weight")
     block = isinstance(ctx.fp8, Float8BlockScaling)
-    dyq = quantize(dy2d, ctx.fp8, "grad_output", transposed=wg and not block, owner=owner)
-    dx = fp8_grouped_mm(dyq.rowwise, (wt, wt_inv), splits, dy2d.dtype) if ctx.input_requires_grad else None
+    hp = wg and ctx.hp_wgrad
+    dx = None
+    if ctx.input_requires_grad:
+        dyq = quantize(dy2d, ctx.fp8, "grad_output", transposed=wg and not block and not hp, owner=owner)
+        dx = fp8_grouped_mm(dyq.rowwise, (wt, wt_inv), splits, dy2d.dtype)
+    elif wg and not hp:
+        dyq = quantize(dy2d, ctx.fp8, "grad_output", transposed=not block, owner=owner)
     dw: Optional[torch.Tensor] = None
-    if wg:
+    if hp:  # (16-bit weight gradient from the saved input: few rows per expert)
+        dw = deliver_weight_grad(op, w, lambda out, acc: _hp_wgrad(dy2d, xt, splits, w, out, acc))
+    elif wg:
         dy_t = _colwise(dy2d, splits, ctx.fp8, "grad_output", dyq, owner)
 
         def compute(out, acc):
@@ -101,4 +126,10 @@ def fp8_grouped_backward(op, ctx, dy2d: torch.Tensor) -> tuple:
     return dx, ((dw, db) if op.bias is not None else (dw,))
 
 
-__all__ = ["fp8_grouped_backward", "fp8_grouped_forward", "grouped_recipe"]
+def _hp_wgrad(dy2d, x2d, splits, w, out, accumulate):
+    if out is None:
+        return grouped_gemm_wgrad(dy2d, x2d.to(dy2d.dtype), splits).to(w.dtype)
+    return grouped_gemm_wgrad(dy2d, x2d.to(dy2d.dtype), splits, out=out, accumulate=accumulate)
+
+
+__all__ = ["FP8_WGRAD_MIN_ROWS", "fp8_grouped_backward", "fp8_grouped_forward", "grouped_recipe"]
