@@ -33,6 +33,9 @@ RUN_TIMEOUT_S = 120
 
 BACKENDS = [pytest.param("gloo", id="gloo"), pytest.param("nccl", id="nccl", marks=pytest.mark.gpu)]
 """Parametrize a test with this: the gloo variant runs in CI, the NCCL variant on 2+ GPUs."""
+WORLDS = [pytest.param("gloo", 2, id="gloo-2"), pytest.param("gloo", 4, id="gloo-4"),
+          pytest.param("nccl", 2, id="nccl-2", marks=pytest.mark.gpu), pytest.param("nccl", 4, id="nccl-4", marks=pytest.mark.gpu)]
+"""Parametrize ``backend, world`` with this: gloo at 2 and 4 ranks in CI, NCCL at 2 and 4 on GPUs."""
 
 
 def under_torchrun() -> bool:

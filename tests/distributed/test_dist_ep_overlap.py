@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_launch import run_ranks
+from dist_launch import BACKENDS, WORLDS, run_ranks
 from test_dist_expert_parallel import H, _dtype, _full_and_ep
 
 import fusible_ops as fo
@@ -55,10 +55,35 @@ def _same(actual, expected, exact: bool, dtype, what: str) -> None:
         assert_close_scaled(actual, expected, dtype, what)
 
 
-def body_overlap_equals_one_process(rank, world, device):
-    dtype = _dtype(device)
-    factory = dict(device=device, dtype=dtype)
+def one_step_equals_one_process(full, ep, mine, data, rank, world, experts, what) -> bool:
+    """One training step of this rank's EP layer ``ep`` against ``full`` run on every rank's tokens
+    at once (``data``: per rank (x, dy)): outputs, input gradients, the local experts' weight and
+    bias gradients; bit for bit on CPU, by the tolerance table on GPUs. Returns whether some
+    expert got no copy from some rank (asserted to occur by the callers)."""
+    x, dy = data[rank]
+    device, dtype = x.device, x.dtype
     exact = device.type == "cpu"
+    for p in (*full.parameters(), *ep.parameters()):
+        p.grad = None
+    y_ref, dx_ref = _single_process(full, data)[rank]
+    x = x.clone().requires_grad_()
+    assert "moe_ep_overlap" in _rules(ep, x), (what, ep.explain(x))
+    with record_routing() as log:
+        y, _ = ep(x)
+    (y * dy).sum().backward()
+    counts = torch.bincount(log[0].reshape(-1), minlength=experts)
+    every = torch.empty(world * experts, dtype=counts.dtype, device=device)
+    dist.all_gather_into_tensor(every, counts.to(device), group=dist.group.WORLD)
+    _same(y.reshape(-1, H), y_ref, exact, dtype, f"output ({what})")
+    _same(x.grad.reshape(-1, H), dx_ref, exact, dtype, f"input grad ({what})")
+    for i in (2, 4):
+        _same(ep[i].weight.grad, full[i].weight.grad[mine], exact, dtype, f"expert weight {i} grad ({what})")
+        _same(ep[i].bias.grad, full[i].bias.grad[mine], exact, dtype, f"expert bias {i} grad ({what})")
+    return bool((every == 0).any())
+
+
+def body_overlap_equals_one_process(rank, world, device):
+    factory = dict(device=device, dtype=_dtype(device))
     # (experts, top_k, chunks, token lead shape per rank): uneven token counts; chunks that do not
     # divide the local experts; top_k=1 over 4-7 tokens leaves experts empty; a rank with no tokens
     cases = [(2 * world, 2, 2, [(5 + 3 * r,) for r in range(world)]),
@@ -71,22 +96,7 @@ def body_overlap_equals_one_process(rank, world, device):
         full, ep, mine = _full_and_ep(experts, top_k, "softmax", dist.group.WORLD, rank, world, **factory)
         ep[1].ep_chunks = chunks
         data = _data(world, leads, 20 + case, **factory)
-        y_ref, dx_ref = _single_process(full, data)[rank]
-        x, dy = data[rank]
-        x = x.clone().requires_grad_()
-        assert "moe_ep_overlap" in _rules(ep, x), (what, ep.explain(x))
-        with record_routing() as log:
-            y, _ = ep(x)
-        (y * dy).sum().backward()
-        counts = torch.bincount(log[0].reshape(-1), minlength=experts)
-        every = torch.empty(world * experts, dtype=counts.dtype, device=device)
-        dist.all_gather_into_tensor(every, counts.to(device), group=dist.group.WORLD)
-        empty_seen = empty_seen or bool((every == 0).any())
-        _same(y.reshape(-1, H), y_ref, exact, dtype, f"output ({what})")
-        _same(x.grad.reshape(-1, H), dx_ref, exact, dtype, f"input grad ({what})")
-        for i in (2, 4):
-            _same(ep[i].weight.grad, full[i].weight.grad[mine], exact, dtype, f"expert weight {i} grad ({what})")
-            _same(ep[i].bias.grad, full[i].bias.grad[mine], exact, dtype, f"expert bias {i} grad ({what})")
+        empty_seen |= one_step_equals_one_process(full, ep, mine, data, rank, world, experts, what)
     assert empty_seen, "no case routed zero copies of some expert from some rank"
 
 
@@ -201,14 +211,12 @@ def test_ep_moe_bench_case_runs():
     run_ranks(body_bench_case, 2, "gloo")
 
 
-@pytest.mark.parametrize("backend, world", [pytest.param("gloo", 2, id="gloo-2"), pytest.param("gloo", 4, id="gloo-4"),
-                                            pytest.param("nccl", 2, id="nccl-2", marks=pytest.mark.gpu),
-                                            pytest.param("nccl", 4, id="nccl-4", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("backend, world", WORLDS)
 def test_ep_overlap_equals_one_process(backend, world):
     run_ranks(body_overlap_equals_one_process, world, backend)
 
 
-@pytest.mark.parametrize("backend", [pytest.param("gloo", id="gloo"), pytest.param("nccl", id="nccl", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_ep_overlap_gradient_contract(backend):
     run_ranks(body_gradient_contract, 2, backend)
 

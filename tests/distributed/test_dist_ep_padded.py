@@ -17,12 +17,11 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-from dist_launch import run_ranks
-from test_dist_ep_overlap import _data, _rules, _same, _single_process
+from dist_launch import BACKENDS, WORLDS, run_ranks
+from test_dist_ep_overlap import _data, _same, one_step_equals_one_process
 from test_dist_expert_parallel import H, _dtype, _full_and_ep
 
 import fusible_ops as fo
-from fusible_ops.ops.moe import record_routing
 from fusible_ops.testing import assert_close_scaled
 
 
@@ -32,9 +31,7 @@ def _padded(ep):
 
 
 def body_padded_equals_one_process(rank, world, device):
-    dtype = _dtype(device)
-    factory = dict(device=device, dtype=dtype)
-    exact = device.type == "cpu"
+    factory = dict(device=device, dtype=_dtype(device))
     # (experts, top_k, token lead shape per rank): same count on every rank, any shape; top_k=1 over
     # 5 tokens leaves experts empty; several experts per rank; no tokens anywhere
     cases = [(2 * world, 2, [(7,)] * world), (8 * world, 2, [(2, 3) if r % 2 else (6,) for r in range(world)]),
@@ -45,25 +42,8 @@ def body_padded_equals_one_process(rank, world, device):
         _padded(ep)
         for step in range(2):  # (a second routing through the same layer: nothing stale)
             what = f"E={experts} top_k={top_k} tokens {leads} step {step}, rank {rank}/{world}"
-            for p in (*full.parameters(), *ep.parameters()):
-                p.grad = None
             data = _data(world, leads, 40 + 10 * case + step, **factory)
-            y_ref, dx_ref = _single_process(full, data)[rank]
-            x, dy = data[rank]
-            x = x.clone().requires_grad_()
-            assert "moe_ep_overlap" in _rules(ep, x), (what, ep.explain(x))
-            with record_routing() as log:
-                y, _ = ep(x)
-            (y * dy).sum().backward()
-            counts = torch.bincount(log[0].reshape(-1), minlength=experts)
-            every = torch.empty(world * experts, dtype=counts.dtype, device=device)
-            dist.all_gather_into_tensor(every, counts.to(device), group=dist.group.WORLD)
-            empty_seen = empty_seen or bool((every == 0).any())
-            _same(y.reshape(-1, H), y_ref, exact, dtype, f"output ({what})")
-            _same(x.grad.reshape(-1, H), dx_ref, exact, dtype, f"input grad ({what})")
-            for i in (2, 4):
-                _same(ep[i].weight.grad, full[i].weight.grad[mine], exact, dtype, f"expert weight {i} grad ({what})")
-                _same(ep[i].bias.grad, full[i].bias.grad[mine], exact, dtype, f"expert bias {i} grad ({what})")
+            empty_seen |= one_step_equals_one_process(full, ep, mine, data, rank, world, experts, what)
     assert empty_seen, "no case routed zero copies of some expert from some rank"
 
 
@@ -126,19 +106,17 @@ def body_padded_mismatch(rank, world, device):
     assert y.shape == (4, H)
 
 
-@pytest.mark.parametrize("backend, world", [pytest.param("gloo", 2, id="gloo-2"), pytest.param("gloo", 4, id="gloo-4"),
-                                            pytest.param("nccl", 2, id="nccl-2", marks=pytest.mark.gpu),
-                                            pytest.param("nccl", 4, id="nccl-4", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("backend, world", WORLDS)
 def test_padded_exchange_equals_one_process(backend, world):
     run_ranks(body_padded_equals_one_process, world, backend)
 
 
-@pytest.mark.parametrize("backend", [pytest.param("gloo", id="gloo"), pytest.param("nccl", id="nccl", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_padded_exchange_gradient_contract(backend):
     run_ranks(body_padded_gradient_contract, 2, backend)
 
 
-@pytest.mark.parametrize("backend", [pytest.param("gloo", id="gloo"), pytest.param("nccl", id="nccl", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_padded_exchange_reads_nothing_on_the_host(backend):
     run_ranks(body_padded_host_reads, 2, backend)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_launch import BACKENDS, run_ranks
+from dist_launch import BACKENDS, WORLDS, run_ranks
 
 import fusible_ops as fo
 from fusible_ops.ops.moe import RoutingError, record_routing
@@ -169,9 +169,7 @@ def body_host_reads(rank, world, device):
 
 # world 4 on gloo costs ~13 s on a 2-core CI runner (mostly process start-up); the suite stays well
 # inside its time budget, and the issue asks for world sizes 2 and 4
-@pytest.mark.parametrize("backend, world", [pytest.param("gloo", 2, id="gloo-2"), pytest.param("gloo", 4, id="gloo-4"),
-                                            pytest.param("nccl", 2, id="nccl-2", marks=pytest.mark.gpu),
-                                            pytest.param("nccl", 4, id="nccl-4", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("backend, world", WORLDS)
 def test_expert_parallel_moe_equals_single_process(backend, world):
     run_ranks(body_ep_equals_single_process, world, backend)
 
