@@ -240,7 +240,7 @@ def test_grouped_gemm_case_times_each_gemm_forward_only(tmp_path):
     _, rows = _read(out)
     rows = [r for r in rows if r["case"] == "grouped_gemm"]
     configs = {r["config"] for r in rows}
-    assert configs == {f"{s}_{k}" for s in ("fc1_8e", "fc1_128e") for k in ("fwd", "dgrad", "wgrad")}
+    assert configs == {f"{s}_{k}" for s in ("fc1_8e", "fc1_64e", "fc1_128e") for k in ("fwd", "dgrad", "wgrad")}
     for r in rows:
         assert r["status"] == "ok", r
         assert r["variant"] in ("fused", "grouped_mm") and r["metric"] == "flops" and r["tflops"] > 0
