@@ -157,6 +157,24 @@ def test_zero_rows_and_all_in_one_group():
         assert_close_norm(gg.grouped_gemm_wgrad(dy, x, split), wgrad64(dy, x, split), dtype)
 
 
+def test_rows_past_the_groups_are_neither_read_nor_written():
+    """Split sizes summing to fewer than M rows (the expert-parallel padded exchange's buffers):
+    the groups' rows are exactly those of the same call on the first sum(splits) rows, the rows
+    past them do not enter the weight or bias gradients (they hold NaN here), and the outputs'
+    rows past them keep what the kernels found there (not asserted: fresh memory)."""
+    dtype = torch.float32
+    x, w, b, dy, split = _data(23, 18, 17, [5, 0, 9, 9], dtype)
+    pad = torch.full((6, 17), float("nan"), device=x.device, dtype=dtype)
+    xp, dyp = torch.cat([x, pad]), torch.cat([dy, torch.full((6, 18), float("nan"), device=x.device, dtype=dtype)])
+    with K.use("triton"):
+        assert torch.equal(gg.grouped_gemm_fwd(xp, w, split, b)[:23], gg.grouped_gemm_fwd(x, w, split, b))
+        assert torch.equal(gg.grouped_gemm_dgrad(dyp, w, split)[:23], gg.grouped_gemm_dgrad(dy, w, split))
+        assert torch.equal(gg.grouped_gemm_wgrad(dyp, xp, split), gg.grouped_gemm_wgrad(dy, x, split))
+        assert torch.equal(gg.grouped_bias_grad(dyp, split), gg.grouped_bias_grad(dy, split))
+    refs = (gg.grouped_gemm_fwd_ref(xp, w, split, b), gg.grouped_gemm_wgrad_ref(dyp, xp, split))
+    assert torch.equal(refs[0][23:], torch.zeros(6, 18, device=x.device)) and not refs[1].isnan().any()
+
+
 def test_tma_path_logic_under_interpreter(monkeypatch):
     """The TMA (tensor-descriptor) code path, run by the interpreter: same results."""
     if CUDA:
