@@ -94,8 +94,9 @@ class Lazy:
     """A variant built only when the harness reaches it, from the first copy of the inputs (a
     CUDA-graphed variant captures there, and its graph and memory pool go when it is done)."""
 
-    def __init__(self, make: Callable[[tuple], Callable]) -> None:
+    def __init__(self, make: Callable[[tuple], Callable], pooled: bool = False) -> None:
         self.make = make
+        self.pooled = pooled  # (a graph: its memory was allocated at capture, in the graph's pool)
 
 
 @dataclasses.dataclass
@@ -174,7 +175,7 @@ def graphed(ctx: BenchContext, module, args: Callable[[tuple], tuple], recipe=No
             out = g(*args(inp))
             return out[0] if isinstance(out, tuple) else out
         return call
-    return {"graphed" if recipe is None else "graphed_fp8": Lazy(make)}
+    return {"graphed" if recipe is None else "graphed_fp8": Lazy(make, pooled=True)}
 
 
 def unfused(ctx: BenchContext, call: Callable, fp8: bool = False) -> dict:

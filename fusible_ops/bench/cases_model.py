@@ -440,7 +440,7 @@ def _recording(variants: dict, log: RoutingLog, sources: dict) -> dict:
     for name, fn in variants.items():
         src = sources.get(name)
         if isinstance(fn, Lazy):
-            out[name] = Lazy(lambda inp, make=fn.make, src=src: log.recorded(make(inp), src))
+            out[name] = Lazy(lambda inp, make=fn.make, src=src: log.recorded(make(inp), src), pooled=fn.pooled)
         else:
             out[name] = log.recorded(fn, src)
     return out

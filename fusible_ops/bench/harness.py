@@ -275,6 +275,7 @@ def run_bench(bench, timer: Timer, ceilings: Ceilings, meta: dict, device: torch
             rows.append(row)
             continue
         inputs0, dy0 = bench.copies[0]
+        pooled = isinstance(fn, Lazy) and fn.pooled  # (no peak / saved memory: a graph's pool is allocated at capture)
         try:
             if isinstance(fn, Lazy):
                 fn = fn.make(inputs0)
@@ -310,8 +311,8 @@ def run_bench(bench, timer: Timer, ceilings: Ceilings, meta: dict, device: torch
             free_memory(device)
             continue
         row.update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, n_iters=t.n_iters, host_ms=t.host_ms,
-                   queue_ahead=timer.queue_ahead, peak_mib=_peak_mib(call, device),
-                   saved_mib=_saved_mib(fn, bench.copies[0][0], targets[0], device))
+                   queue_ahead=timer.queue_ahead, peak_mib=None if pooled else _peak_mib(call, device),
+                   saved_mib=None if pooled else _saved_mib(fn, bench.copies[0][0], targets[0], device))
         if bench.metric == "bytes":
             row["gbps"] = bench.work / (t.median_ms * 1e-3) / 1e9
             row["pct_of_ceiling"] = 100.0 * row["gbps"] / ceilings.copy_gbps
