@@ -47,7 +47,7 @@ def body_padded_equals_one_process(rank, world, device):
     assert empty_seen, "no case routed zero copies of some expert from some rank"
 
 
-def body_padded_gradient_contract(rank, world, device):
+def _gradient_contract(rank, world, device):
     """main_grad + delayed weight gradients for FC1, a frozen FC2: what the synced exchange
     delivers (bit for bit on CPU)."""
     dtype = _dtype(device)
@@ -73,7 +73,7 @@ def body_padded_gradient_contract(rank, world, device):
         _same(b, a, device.type == "cpu", dtype, f"{name}, rank {rank}")
 
 
-def body_padded_host_reads(rank, world, device):
+def _host_reads(rank, world, device):
     """No host read in a step after the first call of a shape (on CPU the reference kernels read
     split sizes on the host: only the MoE ops' own reads are counted there; on GPUs every read)."""
     from fusible_ops.testing.host_reads import count_host_reads
@@ -94,7 +94,7 @@ def body_padded_host_reads(rank, world, device):
         assert not seen, (step, seen)
 
 
-def body_padded_mismatch(rank, world, device):
+def _mismatch(rank, world, device):
     """Different token counts on the ranks: the same clear error on every rank, no hang."""
     factory = dict(device=device, dtype=_dtype(device))
     _, ep, _ = _full_and_ep(2 * world, 2, "softmax", dist.group.WORLD, rank, world, **factory)
@@ -111,18 +111,18 @@ def test_padded_exchange_equals_one_process(backend, world):
     run_ranks(body_padded_equals_one_process, world, backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_padded_exchange_gradient_contract(backend):
-    run_ranks(body_padded_gradient_contract, 2, backend)
+def body_padded_contract_reads_mismatch(rank, world, device):
+    """Three 2-rank checks in one launch of the ranks (each launch costs seconds of start-up)."""
+    _mismatch(rank, world, device)
+    _gradient_contract(rank, world, device)
+    _host_reads(rank, world, device)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_padded_exchange_reads_nothing_on_the_host(backend):
-    run_ranks(body_padded_host_reads, 2, backend)
-
-
-def test_padded_exchange_needs_equal_token_counts():
-    run_ranks(body_padded_mismatch, 2, "gloo")
+def test_padded_exchange_mismatch_contract_and_host_reads(backend):
+    """Different token counts: the same error on every rank; the gradient contract equals the
+    synced exchange's; no host read in a step after the first."""
+    run_ranks(body_padded_contract_reads_mismatch, 2, backend)
 
 
 def test_padded_exchange_settings():
