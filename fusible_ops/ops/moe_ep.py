@@ -332,11 +332,10 @@ class PaddedLayout:
         # send side: peer d's rows are the Dispatch's rows [off_d, off_d + n_d), in slot d
         n_d = per_dest.sum(1)
         off_d = torch.cumsum(n_d, 0) - n_d
-        j = torch.arange(rows, device=dev)
+        j = torch.arange(rows, device=dev)  # (a slot's row; also a copy's index in the Dispatch's order)
         self.send_order = torch.where(j < n_d[:, None], off_d[:, None] + j, 0).reshape(-1)
-        i = torch.arange(rows, device=dev)
-        d = torch.searchsorted(torch.cumsum(n_d, 0), i, right=True).clamp_(max=ep - 1)
-        self.send_pos = d * rows + i - off_d[d]
+        d = torch.searchsorted(torch.cumsum(n_d, 0), j, right=True).clamp_(max=ep - 1)
+        self.send_pos = d * rows + j - off_d[d]
         # receive side: local expert l's rows from source s, in (l, s) order, from slot s
         sizes = blocks.t().reshape(-1)  # [(l, s)]
         ends = torch.cumsum(sizes, 0)
@@ -367,7 +366,9 @@ class PaddedLayout:
                                    f"first call of each shape: run one call of this shape before capturing")
             every = agree_on(owner, ref, key, counts.device)
             if len(set(every)) > 1:
-                seen = "; ".join(f"rank {r}: {n} copies, hidden {h}" for r, (n, h, _) in enumerate(every))
+                names = {dtype_code(d): d for d in _DTYPE_CODE}
+                seen = "; ".join(f"rank {r}: {n} copies, hidden {h}, {names.get(c, 'not a float dtype')}"
+                                 for r, (n, h, c) in enumerate(every))
                 raise ValueError(f"{owner}: ep_exchange='padded' needs the same number of token copies, hidden size "
                                  f"and dtype on every rank of the expert-parallel group ({seen}); route the same "
                                  f"number of tokens everywhere, or use ep_exchange='sync'")
