@@ -5,10 +5,17 @@ NCCL, or, under ``torchrun``, the processes torchrun started.
 with ``torch.distributed`` initialized (``device``: ``cpu`` for gloo, ``cuda:<local rank>`` for
 NCCL). ``body`` must be a module-level function (spawned processes import it).
 
-* Spawned: a free localhost port; an exception on any rank fails the test with that rank's
-  traceback (``torch.multiprocessing`` ends the other ranks); a run longer than ``timeout`` seconds
-  kills every rank and fails. Collectives time out after ``COLLECTIVE_TIMEOUT_S``, so a rank left
-  waiting by a dead peer raises instead of hanging.
+* gloo: a pool of ``world`` CPU processes per world size, started on first use and kept for the
+  session (each start costs seconds: torch and fusible_ops are imported per process), with one
+  process group; every body runs on it in turn, as under torchrun (so a body must not leave state
+  that changes another's result). An exception on any rank fails the test with that rank's
+  traceback and ends the pool (the next test starts a fresh one); a run longer than ``timeout``
+  seconds does the same.
+* NCCL: spawned per test, on a free localhost port; an exception on any rank fails the test with
+  that rank's traceback (``torch.multiprocessing`` ends the other ranks); a run longer than
+  ``timeout`` seconds kills every rank and fails.
+* Collectives time out after ``COLLECTIVE_TIMEOUT_S``, so a rank left waiting by a dead peer
+  raises instead of hanging.
 * Under ``torchrun --nproc-per-node N -m pytest tests/distributed -m gpu``: each process runs the
   body itself (bodies for another world size are skipped); the backend is NCCL when this process
   has a GPU.
@@ -20,8 +27,11 @@ import atexit
 import datetime
 import gc
 import os
+import queue
 import socket
 import time
+import traceback
+from typing import Optional
 
 import pytest
 import torch
@@ -69,10 +79,80 @@ def _entry(rank: int, world: int, backend: str, port: int, body, args: tuple) ->
         dist.destroy_process_group()
 
 
+def _pool_worker(rank: int, world: int, port: int, tasks, results) -> None:
+    """A gloo pool process: one process group for the pool's life; runs the bodies it is sent."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    device = torch.device("cpu")
+    while True:
+        job = tasks.get()
+        if job is None:
+            break
+        body, args = job
+        try:
+            body(rank, world, device, *args)
+            dist.barrier()
+            results.put((rank, None))
+        except BaseException:
+            results.put((rank, traceback.format_exc()))
+            raise
+        finally:
+            gc.collect()
+
+
+class _GlooPool:
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        port = _free_port()
+        self.procs = [ctx.Process(target=_pool_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, body, args: tuple, timeout: float) -> Optional[str]:
+        """None when every rank finished ``body``; else why not (the pool is then ended)."""
+        for q in self.tasks:
+            q.put((body, args))
+        deadline, done = time.monotonic() + timeout, 0
+        while done < self.world:
+            try:
+                rank, err = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.end()
+                    return (f"rank(s) {dead} of the gloo pool died" if dead else
+                            f"did not finish within {timeout:.0f} s")
+                continue
+            if err is not None:
+                self.end()
+                return f"rank {rank} raised:\n{err}"
+            done += 1
+        return None
+
+    def end(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        _POOLS.pop(self.world, None)
+
+
+_POOLS: dict = {}
+
+
 def run_ranks(body, world: int, backend: str, *args, timeout: float = RUN_TIMEOUT_S) -> None:
     """Run ``body(rank, world, device, *args)`` on ``world`` ranks with ``backend`` (see the module doc)."""
     if under_torchrun():
         return _run_in_torchrun(body, world, backend, args)
+    if backend == "gloo":
+        pool = _POOLS.get(world) or _POOLS.setdefault(world, _GlooPool(world))
+        why = pool.run(body, args, timeout)
+        if why is not None:
+            pytest.fail(f"{body.__name__} on {world} ranks (gloo): {why}", pytrace=False)
+        return
     if backend == "nccl" and torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs for NCCL, found {torch.cuda.device_count()}")
     ctx = mp.start_processes(_entry, args=(world, backend, _free_port(), body, args), nprocs=world, join=False,
