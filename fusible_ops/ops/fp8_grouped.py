@@ -107,11 +107,10 @@ def fp8_grouped_backward(op, ctx, dy2d: torch.Tensor) -> tuple:
     block = isinstance(ctx.fp8, Float8BlockScaling)
     hp = wg and ctx.hp_wgrad
     dx = None
-    if ctx.input_requires_grad:
+    if ctx.input_requires_grad or (wg and not hp):  # (an FP8 output gradient serves them)
         dyq = quantize(dy2d, ctx.fp8, "grad_output", transposed=wg and not block and not hp, owner=owner)
+    if ctx.input_requires_grad:
         dx = fp8_grouped_mm(dyq.rowwise, (wt, wt_inv), splits, dy2d.dtype)
-    elif wg and not hp:
-        dyq = quantize(dy2d, ctx.fp8, "grad_output", transposed=not block, owner=owner)
     dw: Optional[torch.Tensor] = None
     if hp:  # (16-bit weight gradient from the saved input: few rows per expert)
         dw = deliver_weight_grad(op, w, lambda out, acc: _hp_wgrad(dy2d, xt, splits, w, out, acc))

@@ -46,11 +46,11 @@ from .comm import GroupRef
 from .grouped_linear import GroupedLinear
 from .moe_ep import (ExpertExchange, PaddedLayout, RoutingError, check_layout, check_not_capturing,
                      from_experts_autograd, to_experts_autograd)
+from .validation import check_input
 
 PADDED_DECLINED = ("ep_exchange='padded' takes effect only where the layer fuses as rule moe_ep_overlap (Dispatch -> "
                    "GroupedLinear -> activation -> GroupedLinear -> Combine, not under FP8 autocast); here the "
                    "unfused ops run (Sequential.explain() says why)")
-from .validation import check_input
 
 SCORES = ("softmax", "sigmoid")
 

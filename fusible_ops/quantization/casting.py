@@ -68,17 +68,15 @@ def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, x: torch.Tens
     if role == "weight":
         delayed_update(hist, scale, r, fmax, True, tensor_amax(x))
         return scale[r : r + 1], None
-    group = amax_reduction_group()
-    if group is not None:
-        torch.distributed.all_reduce(hist[0:1, r], op=torch.distributed.ReduceOp.MAX, group=group)
+    reduce_amax(hist[0:1, r])
     delayed_update(hist, scale, r, fmax, recipe.amax_compute_algo == "max")  # one launch
     return scale[r : r + 1], hist[0:1, r]
 
 
 def reduce_amax(amax: torch.Tensor) -> torch.Tensor:
-    """A current-scaling amax made the max over the active ``amax_reduction_group`` (in place; one
-    all-reduce), so that every rank of the group casts with the scale one process holding all
-    their rows would take. No group: unchanged."""
+    """An amax (current scaling's, or delayed scaling's new history entry) made the max over the
+    active ``amax_reduction_group`` (in place; one all-reduce), so that every rank of the group
+    casts with the scale one process holding all their rows would take. No group: unchanged."""
     group = amax_reduction_group()
     if group is not None:
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
