@@ -85,6 +85,11 @@ def _build(subject, seed=0):
         if getattr(ops[0], "routing_role", None) == "dispatch":  # a MoE span runs between its Router and Combine
             experts = next(op.num_groups for op in ops if isinstance(op, fo.GroupedLinear))
             ops = [fo.Router(6, experts, top_k=2), *ops, *([] if isinstance(ops[-1], fo.Combine) else [fo.Combine()])]
+        elif isinstance(ops[-1], fo.Combine):  # a span ending at Combine (moe_combine: FC2 without a bias)
+            experts = next(op.num_groups for op in ops if isinstance(op, fo.GroupedLinear))
+            ops = [fo.GroupedLinear(op.num_groups, op.in_features, op.out_features, bias=False)
+                   if isinstance(op, fo.GroupedLinear) else op for op in ops]
+            ops = [fo.Router(6, experts, top_k=2), fo.Dispatch(), *ops]
         seq = fo.Sequential(*ops)
         if what.name not in [r["rule"] for r in seq.fusion_plan("backward")]:  # declined in one CPU process
             seq.rules = _unchecked(what)  # (the comm rules: a one-rank group); the table tests the fused op

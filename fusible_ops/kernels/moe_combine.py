@@ -12,6 +12,12 @@ permutation of ``0..N-1``, e.g. :class:`~fusible_ops.ops.moe.Routing`'s ``inv_pe
 * :func:`combine_bwd` -- Combine's backward in one pass over ``dy``:
   ``dsrc[index[t, j]] = w[t, j] * dy[t]`` and ``dprobs[t, j] = <dy[t], src[index[t, j]]>``
   (either can be skipped).
+* :func:`rows_scale_dot` -- the probabilities' side of a Combine fused with the GEMM before it
+  (:mod:`fusible_ops.fusion_rules.moe_combine`), on expert-ordered rows ``r`` holding copy
+  ``c = perm[r]``: ``dprobs.flat[c] = <g[r], a[r]>``, ``dx[r] = p.flat[c] * g[r]`` and
+  ``a_scaled[r] = p.flat[c] * a[r]`` (either output can be skipped), one pass; or with the
+  activation before the GEMM recomputed from its input (``a = act(h)``) and ``dx`` taken through
+  it (the activation's backward in the same pass).
 * :func:`gather_rows` -- gathered rows (``x[index]``, any dtype, bytes moved):
   :class:`~fusible_ops.ops.moe.Dispatch`'s forward, the token copies in expert order.
 * :func:`gather_rows_t` -- gathered rows, transposed (``x[index].T``, any dtype, bytes moved):
@@ -30,13 +36,16 @@ from typing import Optional
 
 import torch
 
-from . import HAS_TRITON, use_triton
+from . import HAS_TRITON, interpreter_enabled, use_triton
+from .act_table import ACT_IDS, GLU_BASE, act_and_grad_ref, dact_ref
 from .launch import TRITON_DTYPES, DirectKernel, as_rows, cdiv, compute_dtype, geometry_cache, kernel_op, next_pow2, \
     remember
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from .act_table import act_and_grad, dact
 
     @triton.jit
     def _gather_sum_kernel(
@@ -116,10 +125,62 @@ if HAS_TRITON:
         v = tl.load(x_ptr + rows[:, None] * s_x + offs_k[None, :], mask=mask)
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * s_o + offs_k[None, :], v, mask=mask)
 
+    @triton.jit
+    def _rows_scale_dot_kernel(
+        g_ptr, a_ptr, p_ptr, perm_ptr, dx_ptr, as_ptr, dp_ptr,  # g/as [N, F]; a/dx [N, F] or [N, 2F]; p/dp [N] (flat [T, k])
+        N, F, s_g, s_a, s_dx, s_as,
+        DX: tl.constexpr, AS: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
+        BT: tl.constexpr, BH: tl.constexpr, SOFT_BF16: tl.constexpr = False,
+    ):
+        """Grid (cdiv(N, BT),): each program walks its rows once (column blocks): the values v (a,
+        or act(a) recomputed, rounded as the forward stored them), their dot with g, the scaled
+        gradient (through the activation when ACT >= 0) and p * v."""
+        offs_r = tl.program_id(0) * BT + tl.arange(0, BT)
+        rmask = offs_r < N
+        r64 = offs_r.to(tl.int64)
+        c = tl.load(perm_ptr + r64, mask=rmask, other=0).to(tl.int64)
+        p = tl.load(p_ptr + c, mask=rmask, other=0.0).to(tl.float32)[:, None]
+        acc = tl.zeros((BT,), dtype=tl.float32)
+        for f0 in range(0, F, BH):
+            offs_f = f0 + tl.arange(0, BH)
+            mask = rmask[:, None] & (offs_f < F)[None, :]
+            g = tl.load(g_ptr + r64[:, None] * s_g + offs_f[None, :], mask=mask, other=0.0).to(tl.float32)
+            a_ptrs = a_ptr + r64[:, None] * s_a + offs_f[None, :]
+            z = tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32)
+            if ACT >= 0:
+                act, dz = act_and_grad(z, ACT)
+                if GATED:
+                    b = tl.load(a_ptrs + F, mask=mask, other=0.0).to(tl.float32)
+                    v = act * b
+                else:
+                    v = act
+                if SOFT_BF16:  # (Triton's interpreter truncates fp32 -> bf16: round to nearest even here)
+                    bits = v.to(tl.uint32, bitcast=True)
+                    v = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+                else:
+                    v = v.to(a_ptr.dtype.element_ty).to(tl.float32)  # (the forward's stored output)
+            else:
+                v = z
+            acc += tl.sum(tl.where(mask, g * v, 0.0), axis=1)
+            if DX:
+                gs = g * p
+                dx_ptrs = dx_ptr + r64[:, None] * s_dx + offs_f[None, :]
+                if ACT < 0:
+                    tl.store(dx_ptrs, gs.to(dx_ptr.dtype.element_ty), mask=mask)
+                elif GATED:
+                    tl.store(dx_ptrs, dact(gs * b, z, dz, ACT).to(dx_ptr.dtype.element_ty), mask=mask)
+                    tl.store(dx_ptrs + F, (gs * act).to(dx_ptr.dtype.element_ty), mask=mask)
+                else:
+                    tl.store(dx_ptrs, dact(gs, z, dz, ACT).to(dx_ptr.dtype.element_ty), mask=mask)
+            if AS:
+                tl.store(as_ptr + r64[:, None] * s_as + offs_f[None, :], (v * p).to(as_ptr.dtype.element_ty), mask=mask)
+        tl.store(dp_ptr + c, acc, mask=rmask)
+
     _GATHER_SUM = DirectKernel(_gather_sum_kernel)
     _GATHER_ROWS = DirectKernel(_gather_rows_kernel)
     _COMBINE_BWD = DirectKernel(_combine_bwd_kernel)
     _GATHER_ROWS_T = DirectKernel(_gather_rows_t_kernel)
+    _ROWS_SCALE_DOT = DirectKernel(_rows_scale_dot_kernel)
 
 GATHER_TILE = 4096  # elements per gather-sum program (tests shrink the tiles to get many programs)
 BWD_TILE = 2048
@@ -200,6 +261,36 @@ def _(dy, src, index, weight, n_rows):
     t, k = index.shape
     return (dy.new_empty((n_rows if weight is not None else 0, dy.shape[1])),
             dy.new_empty((t, k) if src is not None else (0, k), dtype=torch.float32))
+
+
+@kernel_op("fusible_ops::moe_rows_scale_dot", mutates_args=())
+def _rows_scale_dot_op(g: torch.Tensor, a: torch.Tensor, probs: torch.Tensor, perm: torch.Tensor, dx: bool,
+                       scaled_a: bool, act: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, f = g.shape
+    out_dx = g.new_empty((n if dx else 0, a.shape[1]))
+    out_as = a.new_empty((n if scaled_a else 0, f))
+    dp = torch.empty(probs.shape, dtype=torch.float32, device=g.device)
+    if n == 0 or f == 0:
+        return out_dx, out_as, dp.zero_()  # (dot products of zero features: exact zeros)
+    bt, bh, warps = _geometry("bwd", n, f, not g.is_cuda)
+    p = probs.contiguous()
+    pm = perm.contiguous()
+    ddx = out_dx if dx else g  # placeholders for what a flag leaves unwritten: real tensors
+    das = out_as if scaled_a else g
+    args = (g, a, p, pm, ddx, das, dp, n, f, g.stride(0), a.stride(0), ddx.stride(0), das.stride(0))
+    base = GLU_BASE.get(act, act)
+    meta = dict(DX=dx, AS=scaled_a, ACT=-1 if act is None else ACT_IDS[base], GATED=act in GLU_BASE, BT=bt, BH=bh,
+                SOFT_BF16=a.dtype == torch.bfloat16 and interpreter_enabled(), num_warps=warps)
+    key = (g.device, g.dtype, a.dtype, p.dtype, n, f, *args[-4:], *meta.values())
+    _ROWS_SCALE_DOT((cdiv(n, bt),), key, args, meta)
+    return out_dx, out_as, dp
+
+
+@_rows_scale_dot_op.register_fake
+def _(g, a, probs, perm, dx, scaled_a, act):
+    n, f = g.shape
+    return (g.new_empty((n if dx else 0, a.shape[1])), a.new_empty((n if scaled_a else 0, f)),
+            g.new_empty(probs.shape, dtype=torch.float32))
 
 
 ROWS_TILE = 8192  # bytes per row-gather program
@@ -290,6 +381,36 @@ def combine_bwd(dy: torch.Tensor, src: Optional[torch.Tensor], index: torch.Tens
     return combine_bwd_ref(dy, src, index, weight)
 
 
+def rows_scale_dot(g: torch.Tensor, a: torch.Tensor, probs: torch.Tensor, perm: torch.Tensor, *, dx: bool = True,
+                   scaled_a: bool = True, act: Optional[str] = None
+                   ) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
+    """``(dx in g's dtype, dprobs [T, k] float32, a_scaled [N, F] in a's dtype)`` (module doc).
+
+    g [N, F] expert-ordered rows (N = T * k): the gradient reaching the values ``v``; probs [T, k]
+    (float32, the router's probabilities); perm [N] int64 (row r holds copy ``perm[r] = t * k + j``,
+    a permutation: every ``dprobs`` entry is written once). ``act`` None: ``a`` [N, F] are the
+    values, ``dx = p * g``. ``act`` an activation kind (:data:`~.act_table.ACT_IDS` or a gated kind
+    of :data:`~.act_table.GLU_BASE`): ``a`` is the activation's input ([N, F], gated [N, 2F]),
+    ``v = act(a)`` rounded to a's dtype (as the forward stored it), ``dx`` the gradient of ``a``
+    for the upstream gradient ``p * g`` (a's shape). ``dx`` / ``scaled_a`` False: that output is
+    skipped (None).
+    """
+    g, a = as_rows(g), as_rows(a)
+    if act is not None and act not in ACT_IDS and act not in GLU_BASE:
+        raise ValueError(f"rows_scale_dot: unknown activation {act!r}")
+    width = 2 * g.shape[1] if act in GLU_BASE else g.shape[1]
+    if a.shape != (g.shape[0], width):
+        raise ValueError(f"rows_scale_dot: a must be [{g.shape[0]}, {width}] for g {list(g.shape)} and act={act!r}, "
+                         f"got {list(a.shape)}")
+    if perm.dim() != 1 or perm.dtype != torch.int64 or perm.shape[0] != g.shape[0] or probs.numel() != g.shape[0]:
+        raise ValueError(f"rows_scale_dot: perm must be [{g.shape[0]}] int64 and probs hold {g.shape[0]} values, got "
+                         f"{list(perm.shape)} {perm.dtype} and {list(probs.shape)}")
+    if use_triton(g, a, probs, perm) and g.dtype in TRITON_DTYPES and a.dtype in TRITON_DTYPES:
+        out_dx, out_as, dp = _rows_scale_dot_op(g, a, probs, perm, dx, scaled_a, act)
+        return (out_dx if dx else None), dp, (out_as if scaled_a else None)
+    return rows_scale_dot_ref(g, a, probs, perm, dx=dx, scaled_a=scaled_a, act=act)
+
+
 def _rows_call(x: torch.Tensor, index: torch.Tensor, op, ref) -> torch.Tensor:
     """Run a row-gather op on ``x``'s bytes (values are never converted: FP8 stays bit-exact)."""
     x = as_rows(x)
@@ -355,4 +476,33 @@ def combine_bwd_ref(dy: torch.Tensor, src: Optional[torch.Tensor], index: torch.
     return dsrc, dprobs
 
 
-__all__ = ["combine_bwd", "combine_bwd_ref", "gather_rows", "gather_rows_ref", "gather_rows_t", "gather_rows_t_ref", "gather_sum", "gather_sum_ref"]
+def rows_scale_dot_ref(g: torch.Tensor, a: torch.Tensor, probs: torch.Tensor, perm: torch.Tensor, *, dx: bool = True,
+                       scaled_a: bool = True, act: Optional[str] = None):
+    """Pure-torch twin of :func:`rows_scale_dot`."""
+    acc = compute_dtype(g.dtype)
+    p = probs.reshape(-1).index_select(0, perm).to(acc).unsqueeze(-1)  # each row's probability
+    gf, z = g.to(acc), a.to(acc)
+    base = GLU_BASE.get(act, act)
+    if act is None:
+        v = z
+    else:
+        f = g.shape[1]
+        za, zb = (z[:, :f], z[:, f:]) if act in GLU_BASE else (z, None)
+        act_a, dz = act_and_grad_ref(za, base)
+        v = (act_a if zb is None else act_a * zb).to(a.dtype).to(acc)  # (the forward's stored output)
+    dp = torch.empty(probs.numel(), dtype=torch.float32 if acc == torch.float32 else acc, device=g.device)
+    dp.index_copy_(0, perm, (gf * v).sum(-1).to(dp.dtype))
+    out_dx = None
+    if dx:
+        gs = gf * p
+        if act is None:
+            out_dx = gs
+        elif zb is None:
+            out_dx = dact_ref(gs, za, dz, base)
+        else:
+            out_dx = torch.cat([dact_ref(gs * zb, za, dz, base), gs * act_a], dim=1)
+        out_dx = out_dx.to(g.dtype)
+    return out_dx, dp.view(probs.shape), ((v * p).to(a.dtype) if scaled_a else None)
+
+
+__all__ = ["combine_bwd", "combine_bwd_ref", "rows_scale_dot", "rows_scale_dot_ref", "gather_rows", "gather_rows_ref", "gather_rows_t", "gather_rows_t_ref", "gather_sum", "gather_sum_ref"]

@@ -118,6 +118,91 @@ def test_bad_shapes_raise():
         mc.combine_bwd(dy, src[:, :4], index, w)
 
 
+def _scale_dot_case(t, k, f, dtype, act=None, device=DEV, seed=2):
+    """(g, a strided, probs [T, k], perm [N]) and the float64 (dx, dprobs, a_scaled); with ``act``
+    ``a`` is the activation's input (gated: [N, 2F]) and the values are act(a) as the forward's
+    activation kernel stores it (fp32 math, rounded to dtype)."""
+    from fusible_ops.kernels.act_table import GLU_BASE, act_and_grad_ref, dact_ref
+
+    g0 = torch.Generator().manual_seed(seed)
+    n = t * k
+    width = 2 * f if act in GLU_BASE else f
+    perm = torch.randperm(n, generator=g0)
+    probs = torch.rand(t, k, generator=g0)
+    g = torch.randn(n, f, generator=g0).to(device, dtype)
+    a = torch.randn(n, width + 5, generator=g0).to(device, dtype)[:, :width]  # (row stride width + 5)
+    p = probs.double().reshape(-1)[perm][:, None]
+    g64, z = g.double().cpu(), a.double().cpu()
+    if act is None:
+        v, dx = z, p * g64
+    else:
+        base = GLU_BASE.get(act, act)
+        za, zb = (z[:, :f], z[:, f:]) if act in GLU_BASE else (z, None)
+        act_a, dz = act_and_grad_ref(za, base)
+        # the values the forward stored: act in fp32 (the activation kernels' math), rounded to dtype
+        a32, _ = act_and_grad_ref(za.float(), base, need_grad=False)
+        v = (a32 if zb is None else a32 * zb.float()).to(dtype).double()
+        gs = p * g64
+        dx = dact_ref(gs, za, dz, base) if zb is None else torch.cat([dact_ref(gs * zb, za, dz, base), gs * act_a], 1)
+    dp = torch.empty(n, dtype=torch.float64)
+    dp[perm] = (g64 * v).sum(-1)
+    return (g, a, probs.to(device), perm.to(device)), (dx, dp.view(t, k), p * v)
+
+
+ACTS = [None, "swiglu", "geglu", "reglu", "gelu_tanh", "silu"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,k,f", [(1, 1, 1), (7, 3, 37), (33, 8, 19)])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("want", [(True, True), (False, False)])
+def test_rows_scale_dot_triton_and_ref_match_float64(dtype, t, k, f, act, want, small_tiles):
+    args, (dx64, dp64, as64) = _scale_dot_case(t, k, f, dtype, act)
+    for mode in ("triton", "reference"):
+        dx, dp, a_s = _run(lambda *a: mc.rows_scale_dot(*a, dx=want[0], scaled_a=want[1], act=act), mode, *args)
+        assert dp.dtype == torch.float32 and dp.shape == (t, k)
+        assert_close(dp, dp64, dtype, msg=f"{mode} dprobs")  # a dot of rounded inputs: the inputs' table
+        for out, ref, on, name in ((dx, dx64, want[0], "dx"), (a_s, as64, want[1], "a_scaled")):
+            if not on:
+                assert out is None, name
+            else:
+                assert out.dtype == dtype and out.shape == ref.shape
+                assert_close(out, ref, msg=f"{mode} {name}")
+
+
+def test_rows_scale_dot_empty_and_float64_and_bad_shapes():
+    for t, f in ((0, 4), (3, 0)):
+        args, _ = _scale_dot_case(t, 2, f, torch.float32)
+        for mode in ("triton", "reference"):
+            dx, dp, a_s = _run(mc.rows_scale_dot, mode, *args)
+            assert dx.shape == a_s.shape == (2 * t, f) and torch.equal(dp, torch.zeros(t, 2, device=dp.device))
+    args, expected = _scale_dot_case(5, 3, 9, torch.float64)
+    with K.use("triton"):
+        for out, ref in zip(mc.rows_scale_dot(*args), expected):
+            torch.testing.assert_close(out.cpu(), ref)
+    g, a, probs, perm = _scale_dot_case(4, 2, 8, torch.float32)[0]
+    with pytest.raises(ValueError, match=r"a must be \[8, 8\]"):
+        mc.rows_scale_dot(g, a[:, :4], probs, perm)
+    with pytest.raises(ValueError, match=r"a must be \[8, 16\]"):
+        mc.rows_scale_dot(g, a, probs, perm, act="swiglu")
+    with pytest.raises(ValueError, match="unknown activation"):
+        mc.rows_scale_dot(g, a, probs, perm, act="tanh")
+    with pytest.raises(ValueError, match="perm must be"):
+        mc.rows_scale_dot(g, a, probs, perm[:7])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("t,k,f", [(1000, 8, 256), (333, 2, 4100), (5, 1, 7)])
+@pytest.mark.parametrize("act", [None, "swiglu", "gelu"])
+def test_gpu_rows_scale_dot_odd_sizes(dtype, t, k, f, act):
+    args, (dx64, dp64, as64) = _scale_dot_case(t, k, f, dtype, act)
+    dx, dp, a_s = mc.rows_scale_dot(*args, act=act)
+    assert_close(dx, dx64)
+    assert_close(a_s, as64)
+    assert_close(dp, dp64, dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("t,k,h", [(1000, 8, 1536), (333, 2, 4100), (5, 1, 7)])
