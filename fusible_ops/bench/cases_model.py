@@ -427,7 +427,7 @@ def _stack_bench(ctx: BenchContext, case: str, config: str, shape: str, work: fl
     return Bench(
         case=case, config=config, shape=shape, dtype=ctx.dtype, metric="flops", work=work, new_copy=new_copy,
         params=list(ours.parameters()), variants=variants, fused_module=LayerPlans(ours.layers[0]),
-        plan_args=lambda inp: (inp[0],), expected_rules=EXPECTED_RULES[case],
+        plan_args=lambda inp: (inp[0],), expected_rules=expected_rules(case, ctx.device, cfg),
         reference=float64_reference(plain, log), notes=notes,
         tolerances=dict.fromkeys(fp8_names, fp8_stack_tolerance(cfg["layers"])),
     )
@@ -446,13 +446,18 @@ def _recording(variants: dict, log: RoutingLog, sources: dict) -> dict:
     return out
 
 
-EXPECTED_RULES = {
-    # the residual add after each output projection goes into its GEMM (linear_add); the add that
-    # ends a sub-block and the norm that starts the next sit in different Sequentials (residual_norm
-    # needs both in one), and no rule fuses a norm into a linear
-    "dense_layers": ("linear_add",),
-    "moe_layers": ("linear_add", "moe_dispatch_mlp"),
-}
+def expected_rules(case: str, device: torch.device, cfg: dict) -> tuple:
+    """The rules the fused stack must apply. The residual add after each output projection goes into
+    its GEMM (linear_add); the add that ends a sub-block and the norm that starts the next sit in
+    different Sequentials (residual_norm needs both in one), and no rule fuses a norm into a linear.
+    MoE: on CPU moe_dispatch_mlp takes the experts; in training on CUDA its cost hint declines it
+    and moe_act_combine fuses SwiGLU, FC2 and Combine where the expert width is below d (its own
+    cost hint)."""
+    if case == "dense_layers":
+        return ("linear_add",)
+    if device.type != "cuda":
+        return ("linear_add", "moe_dispatch_mlp")
+    return ("linear_add", "moe_act_combine") if cfg["f"] < cfg["d"] else ("linear_add",)
 
 
 def dense_layers(ctx: BenchContext) -> Iterator[Bench]:
