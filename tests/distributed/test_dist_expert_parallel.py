@@ -25,34 +25,35 @@ def _dtype(device) -> torch.dtype:
     return torch.float64 if device.type == "cpu" else torch.float32
 
 
-def _layer(experts, top_k, *, groups=None, ep_group=None, score="softmax", hidden=H, **factory):
+def _layer(experts, top_k, *, groups=None, ep_group=None, score="softmax", hidden=H, fc2_bias=True, **factory):
     groups = experts if groups is None else groups
     return fo.Sequential(
         fo.Router(hidden, experts, top_k, score=score, normalize=score == "sigmoid", z_loss_coeff=1e-2, **factory),
         fo.Dispatch(ep_group=ep_group),
         fo.GroupedLinear(groups, hidden, 2 * F, **factory),
         fo.SwiGLU(),
-        fo.GroupedLinear(groups, F, hidden, **factory),
+        fo.GroupedLinear(groups, F, hidden, bias=fc2_bias, **factory),
         fo.Combine(),
     )
 
 
-def _full_and_ep(experts, top_k, score, group, rank, world, **factory):
+def _full_and_ep(experts, top_k, score, group, rank, world, fc2_bias=True, **factory):
     """The single-process layer (same on every rank: fixed seed) and this rank's EP layer: the
     same router, the GroupedLinears holding experts [rank * E / ep, (rank + 1) * E / ep)."""
     torch.manual_seed(0)
-    full = _layer(experts, top_k, score=score, **factory)
+    full = _layer(experts, top_k, score=score, fc2_bias=fc2_bias, **factory)
     with torch.no_grad():
         for p in full.parameters():
             p.uniform_(-1, 1)
     local = experts // world
-    ep = _layer(experts, top_k, groups=local, ep_group=group, score=score, **factory)
+    ep = _layer(experts, top_k, groups=local, ep_group=group, score=score, fc2_bias=fc2_bias, **factory)
     mine = slice(rank * local, (rank + 1) * local)
     with torch.no_grad():
         ep[0].weight.copy_(full[0].weight)
         for i in (2, 4):
             ep[i].weight.copy_(full[i].weight[mine])
-            ep[i].bias.copy_(full[i].bias[mine])
+            if ep[i].bias is not None:
+                ep[i].bias.copy_(full[i].bias[mine])
     return full, ep, mine
 
 
@@ -60,6 +61,39 @@ def _tokens(world, lead_shapes, seed):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(*lead, H, generator=g), torch.randn(*lead, H, generator=g), float(1 + r))
             for r, lead in enumerate(lead_shapes)]  # (x, dy, daux) per rank
+
+
+def _step_equals_single_process(full, ep, mine, data, rank, what) -> bool:
+    """One step of this rank's EP layer against ``full`` on every rank's slice (``data``: per rank
+    (x, dy, daux)): output, aux loss, input, local expert and all-reduced router gradients. Returns
+    whether some (source rank, expert) pair got no token copies (the same answer on every rank)."""
+    group, dtype, device = dist.group.WORLD, data[rank][0].dtype, data[rank][0].device
+    # the full layer on every rank's slice (its aux loss is per slice, as each rank's Router computes it)
+    ref = []
+    for x, dy, daux in data:
+        xf = x.clone().requires_grad_()
+        y, aux = full(xf)
+        ((y * dy).sum() + daux * aux).backward()
+        ref.append((y.detach(), aux.detach(), xf.grad))
+    x, dy, daux = data[rank]
+    xe = x.clone().requires_grad_()
+    with record_routing() as log:
+        y, aux = ep(xe)
+    ((y * dy).sum() + daux * aux).backward()
+    assert_close_scaled(y, ref[rank][0], dtype, f"output ({what})")
+    assert_close_scaled(aux, ref[rank][1], dtype, f"aux loss ({what})")
+    assert_close_scaled(xe.grad, ref[rank][2], dtype, f"input grad ({what})")
+    for i in (2, 4):
+        assert_close_scaled(ep[i].weight.grad, full[i].weight.grad[mine], dtype, f"expert weight {i} grad ({what})")
+        if ep[i].bias is not None:
+            assert_close_scaled(ep[i].bias.grad, full[i].bias.grad[mine], dtype, f"expert bias {i} grad ({what})")
+    router_grad = ep[0].weight.grad.clone()
+    dist.all_reduce(router_grad, group=group)  # the replicated router: data-parallel all-reduce
+    assert_close_scaled(router_grad, full[0].weight.grad, dtype, f"router weight grad after all-reduce ({what})")
+    counts = torch.bincount(log[0].reshape(-1), minlength=full[0].num_experts).to(device)
+    every = torch.empty(dist.get_world_size(group) * counts.numel(), dtype=counts.dtype, device=device)
+    dist.all_gather_into_tensor(every, counts, group=group)
+    return bool((every == 0).any())
 
 
 def body_ep_equals_single_process(rank, world, device):
@@ -77,33 +111,16 @@ def body_ep_equals_single_process(rank, world, device):
         what = f"top_k={top_k} {score} tokens {leads}, rank {rank}/{world}"
         full, ep, mine = _full_and_ep(experts, top_k, score, group, rank, world, **factory)
         data = [(x.to(**factory), dy.to(**factory), daux) for x, dy, daux in _tokens(world, leads, 10 + case)]
-        # the full layer on every rank's slice (its aux loss is per slice, as each rank's Router computes it)
-        ref = []
-        for x, dy, daux in data:
-            xf = x.clone().requires_grad_()
-            y, aux = full(xf)
-            ((y * dy).sum() + daux * aux).backward()
-            ref.append((y.detach(), aux.detach(), xf.grad))
-        x, dy, daux = data[rank]
-        xe = x.clone().requires_grad_()
-        with record_routing() as log:
-            y, aux = ep(xe)
-        ((y * dy).sum() + daux * aux).backward()
-        assert_close_scaled(y, ref[rank][0], dtype, f"output ({what})")
-        assert_close_scaled(aux, ref[rank][1], dtype, f"aux loss ({what})")
-        assert_close_scaled(xe.grad, ref[rank][2], dtype, f"input grad ({what})")
-        for i in (2, 4):
-            assert_close_scaled(ep[i].weight.grad, full[i].weight.grad[mine], dtype, f"expert weight {i} grad ({what})")
-            assert_close_scaled(ep[i].bias.grad, full[i].bias.grad[mine], dtype, f"expert bias {i} grad ({what})")
-        router_grad = ep[0].weight.grad.clone()
-        dist.all_reduce(router_grad, group=group)  # the replicated router: data-parallel all-reduce
-        assert_close_scaled(router_grad, full[0].weight.grad, dtype, f"router weight grad after all-reduce ({what})")
-        # some (source rank, expert) pair with no token copies: every rank sees the same answer
-        counts = torch.bincount(log[0].reshape(-1), minlength=experts).to(device)
-        every = torch.empty(world * experts, dtype=counts.dtype, device=device)
-        dist.all_gather_into_tensor(every, counts, group=group)
-        empty_seen = empty_seen or bool((every == 0).any())
+        empty_seen = _step_equals_single_process(full, ep, mine, data, rank, what) or empty_seen
     assert empty_seen, "no case routed zero copies of some expert from some rank"
+    # FC2 without a bias and ep_chunks=1 (moe_ep_overlap declines): moe_act_combine takes SwiGLU,
+    # FC2 and Combine and runs the ops' own forward and backward around the exchange
+    full, ep, mine = _full_and_ep(experts, 2, "softmax", group, rank, world, fc2_bias=False, **factory)
+    ep[1].ep_chunks = 1
+    data = [(x.to(**factory), dy.to(**factory), daux) for x, dy, daux in _tokens(world, [(5 + r,) for r in range(world)], 7)]
+    with fo.fusion_rules.disabled("grouped_mlp"):
+        assert [g["rule"] for g in ep.fusion_plan("forward", data[rank][0])][-1] == "moe_act_combine"
+        _step_equals_single_process(full, ep, mine, data, rank, f"moe_act_combine after the exchange, rank {rank}")
     # the plain-autograd reference path (reference_forward: the exchange as an autograd function)
     full, ep, _ = _full_and_ep(experts, 2, "softmax", group, rank, world, **factory)
     assert_matches_reference(ep, _tokens(world, [(4 + r,) for r in range(world)], 3)[rank][0].to(**factory)
