@@ -223,13 +223,16 @@ def test_shortfalls_name_failed_variants_slower_fused_and_fused_slower_than_unfu
                               "graphed_fp8": {"median_ms": None, "status": "unavailable: RuntimeError: x" * 20}},
         ("swiglu", ""): {"fused": ok(1.0), "eager": ok(0.5), "compile": ok(2.0)},
         ("bias_gelu", ""): {"fused": ok(1.0), "eager": ok(2.0), "unfused": ok(1.5)},
+        ("moe_layer", "E128"): {"fused": {**ok(10.0), "p20_ms": 9.5, "p80_ms": 10.5},
+                                "unfused": {**ok(9.9), "p20_ms": 9.0, "p80_ms": 9.6}},
     }
     lines = shortfalls(groups)
     assert any(s.startswith("- moe_layer[E8] / graphed_fp8: unavailable: RuntimeError") and len(s) < 200 for s in lines)
     assert "- moe_layer[E8]: the fused plan is slower than the same ops unfused (0.90x)" in lines
     assert "- swiglu: fused is slower than eager PyTorch (0.50x)" in lines
+    assert "- moe_layer[E128]: the fused plan is slower than the same ops unfused (0.99x) (their p20-p80 ranges overlap)" in lines
     assert not any("bias_gelu" in s for s in lines)
-    assert len(lines) == 3
+    assert len(lines) == 4
 
 
 def test_grouped_gemm_case_times_each_gemm_forward_only(tmp_path):
