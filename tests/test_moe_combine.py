@@ -12,6 +12,8 @@ import contextlib
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import fusible_ops as fo
 from fusible_ops.testing import assert_matches_reference
@@ -168,3 +170,38 @@ def test_cost_hint_declines_where_the_backward_moves_more_bytes():
     assert "input width 384 x 4 >= its output width 1536" in _cost([fc2(384), comb], cuda)
     cpu = SimpleNamespace(device=torch.device("cpu"), requires_grad=True, recipe=None)
     assert _cost([act, fc2(4096), comb], cpu) is None
+
+
+_ACTS = {"swiglu": fo.SwiGLU, "geglu": fo.GEGLU, "reglu": fo.ReGLU, "silu": fo.SiLU, "relu": fo.ReLU,
+         None: None}
+
+
+@given(experts=st.integers(1, 5), top_k=st.integers(1, 3), tokens=st.integers(0, 9), ffn=st.integers(1, 7),
+       act=st.sampled_from(list(_ACTS)), dtype=st.sampled_from([torch.float32, torch.float64]),
+       frozen=st.sampled_from(["none", "router", "fc2"]), score=st.sampled_from(["softmax", "sigmoid"]))
+def test_random_layers_match_the_reference(experts, top_k, tokens, ffn, act, dtype, frozen, score):
+    """Random MoE layers ending in (an activation,) a bias-free FC2 and Combine, fused by
+    moe_act_combine / moe_combine, against float64 autograd: any expert count, top_k <= experts,
+    no tokens at all, widths of 1."""
+    top_k = min(top_k, experts)
+    torch.manual_seed(experts * 100 + tokens)
+    kind = _ACTS[act]
+    gated = kind is not None and issubclass(kind, (fo.SwiGLU, fo.GEGLU, fo.ReGLU))
+    ops = [fo.Router(H, experts, top_k, score=score, dtype=dtype), fo.Dispatch(),
+           fo.GroupedLinear(experts, H, (2 if gated else 1) * ffn, bias=False, dtype=dtype)]
+    ops += [kind()] if kind is not None else []
+    ops += [fo.GroupedLinear(experts, ffn, H, bias=False, dtype=dtype), fo.Combine()]
+    seq = fo.Sequential(*ops)
+    with torch.no_grad():
+        for p in seq.parameters():
+            p.uniform_(-1, 1)
+    if frozen == "router":
+        seq[0].weight.requires_grad_(False)
+    elif frozen == "fc2":
+        seq[-2].weight.requires_grad_(False)
+    x = _x((tokens, H), seed=tokens + 1, dtype=dtype)
+    _no_near_ties(seq[0], x)
+    rule = "moe_act_combine" if kind is not None else "moe_combine"
+    with fo.fusion_rules.disabled(*MLP_RULES):
+        assert_matches_reference(seq, x)
+        assert [r["rule"] for r in seq.fusion_plan()][-1] == rule

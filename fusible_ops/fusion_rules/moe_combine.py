@@ -76,7 +76,7 @@ class GroupedLinearCombine(FusedOperation):
         if cc.requires_grad:
             c2.weight_grad = c2.weight_requires_grad and fc2.weight.requires_grad
             c2.input_shape = h.shape
-            c2.save_for_backward(a if act is None else h.reshape(a.shape[0], -1), fc2.weight, splits, routing.probs,
+            c2.save_for_backward(a if act is None else h.reshape(a.shape[0], h.shape[-1]), fc2.weight, splits, routing.probs,
                                  routing.perm, index)
         return out, [()] * len(ctxs)
 
