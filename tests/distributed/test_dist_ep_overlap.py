@@ -242,14 +242,19 @@ def body_capture_refused(rank, world, device):
         _, ep, _ = _full_and_ep(4 * world, 2, "softmax", dist.group.WORLD, rank, world, device=device,
                                 dtype=torch.float32)
         ep[1].ep_chunks = chunks
-        x = torch.randn(64, H, device=device)
-        ep(x)  # (warm-up: the first call also compares the ranks' layouts)
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with pytest.raises(RuntimeError, match="expert parallel .* is not graph-capturable"):
-            with torch.cuda.graph(graph):
-                ep(x)
+        assert_capture_refused(ep, torch.randn(64, H, device=device), "expert parallel .* is not graph-capturable")
         dist.barrier()
+
+
+def assert_capture_refused(layer, x, match: str) -> None:
+    """After one warm-up call (the first also compares the ranks' layouts), capturing ``layer(x)``
+    in a CUDA graph raises a ``RuntimeError`` matching ``match``."""
+    layer(x)
+    torch.cuda.synchronize(x.device)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match=match):
+        with torch.cuda.graph(graph):
+            layer(x)
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_launch import BACKENDS, WORLDS, run_ranks
-from test_dist_ep_overlap import _data, _same, one_step_equals_one_process
+from test_dist_ep_overlap import _data, _same, assert_capture_refused, one_step_equals_one_process
 from test_dist_expert_parallel import H, _dtype, _full_and_ep
 
 import fusible_ops as fo
@@ -163,15 +163,9 @@ def body_padded_capture(rank, world, device):
                                    dtype=torch.float32)
         if how == "unfused":
             _padded(layer)
-        x = torch.randn(64, H, device=device)
+        match = "takes effect only where the layer fuses" if how == "unfused" else "Dispatch\\(ep_exchange='padded'\\)"
         with fo.fusion_rules.disabled("moe_ep_overlap") if how == "unfused" else contextlib.nullcontext():
-            layer(x)
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            match = "takes effect only where the layer fuses" if how == "unfused" else "Dispatch\\(ep_exchange='padded'\\)"
-            with pytest.raises(RuntimeError, match=match):
-                with torch.cuda.graph(graph):
-                    layer(x)
+            assert_capture_refused(layer, torch.randn(64, H, device=device), match)
         dist.barrier()
 
 
