@@ -34,8 +34,6 @@ backward.
 
 from __future__ import annotations
 
-import torch
-
 from ..grad import deliver_weight_grad
 from ..kernels.activation import bias_act_fwd
 from ..kernels.grouped_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
@@ -43,7 +41,7 @@ from ..kernels.moe_combine import gather_rows, gather_sum, rows_scale_dot
 from ..op import FusedOperation
 from ..ops.activation import GEGLU, GELU, ReGLU, ReLU, SiLU, SwiGLU
 from ..ops.grouped_linear import GroupedLinear
-from ..ops.moe import Combine, _need_routing
+from ..ops.moe import Combine, Dispatch, _need_routing
 from ..rules import match, rule
 
 
@@ -75,9 +73,9 @@ class GroupedLinearCombine(FusedOperation):
         out = gather_sum(y2d, index, routing.probs).reshape(*routing.token_shape, fc2.out_features)
         if cc.requires_grad:
             c2.weight_grad = c2.weight_requires_grad and fc2.weight.requires_grad
-            c2.input_shape = h.shape
-            c2.save_for_backward(a if act is None else h.reshape(a.shape[0], h.shape[-1]), fc2.weight, splits, routing.probs,
-                                 routing.perm, index)
+            c2.input_shape, c2.top_k = h.shape, routing.top_k
+            c2.save_for_backward(a if act is None else h.reshape(a.shape[0], h.shape[-1]), fc2.weight, splits,
+                                 routing.probs, routing.perm)
         return out, [()] * len(ctxs)
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, routing=None, **kwargs):
@@ -85,10 +83,9 @@ class GroupedLinearCombine(FusedOperation):
         c2 = ctxs[-2]
         if c2.unfused:
             return _backward_unfused(self.basic_ops, ctxs, dy, grad_extra_outputs, routing)
-        kept, w, splits, probs, perm, index = c2.saved_tensors
+        kept, w, splits, probs, perm = c2.saved_tensors
         need_dx = ctxs[0].input_requires_grad
-        tokens = torch.div(perm, index.shape[1], rounding_mode="floor")  # (Dispatch.gather_index)
-        g = gather_rows(dy.reshape(-1, fc2.out_features), tokens)  # the unscaled copies of dy
+        g = gather_rows(dy.reshape(-1, fc2.out_features), Dispatch.tokens_of(perm, c2.top_k))  # unscaled copies of dy
         dx, routing.dprobs, a_scaled = rows_scale_dot(grouped_gemm_dgrad(g, w, splits), kept, probs, perm,
                                                       dx=need_dx, scaled_a=c2.weight_grad,
                                                       act=None if act is None else act.kind)

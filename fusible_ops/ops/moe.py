@@ -459,7 +459,12 @@ class Dispatch(BasicOperation):
     @staticmethod
     def gather_index(routing: Routing) -> torch.Tensor:
         """The token (row of the input) of each output row, before any expert-parallel exchange."""
-        return torch.div(routing.perm, routing.top_k, rounding_mode="floor")
+        return Dispatch.tokens_of(routing.perm, routing.top_k)
+
+    @staticmethod
+    def tokens_of(perm: torch.Tensor, top_k: int) -> torch.Tensor:
+        """The token of each expert-ordered row, from the rows' copy indices ``perm`` (t * k + j)."""
+        return torch.div(perm, top_k, rounding_mode="floor")
 
     def padded_layout(self, routing: Routing, hidden: int, dtype: torch.dtype) -> PaddedLayout:
         """The ``ep_exchange="padded"`` exchange of this call (:meth:`PaddedLayout.plan`)."""
