@@ -334,6 +334,31 @@ def test_gpu_block_scaled_mm_and_wgrad(tma, splits, monkeypatch):
     assert torch.equal(main[empty], before[empty])
 
 
+
+@gpu
+def test_gpu_block_scaled_graph_replay_with_changed_splits():
+    """The block-scaled forward captured once and replayed with other split sizes of the same
+    total (empty experts, one expert taking every row) against float64: 1x128 tiles run along K,
+    so the cast operands serve every split."""
+    _skip_without_fp8()
+    N, Kd = 256, 384
+    x, _, w, split = _block_case([100, 0, 333, 7, 200], N, Kd, seed=2)
+    xq, xs, _, _ = _blocks(x, square=False)
+    per_group = [_blocks(w[g], square=True) for g in range(w.shape[0])]
+    wq, ws = torch.stack([p[0] for p in per_group]), torch.stack([p[1] for p in per_group])
+    a_d, b_d, s_d = (xq.cuda(), xs.cuda()), (wq.cuda(), ws.cuda()), split.cuda()
+    F.fp8_grouped_mm(a_d, b_d, s_d, torch.float32)  # compile and tune outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = F.fp8_grouped_mm(a_d, b_d, s_d, torch.float32)
+    for splits in ([640, 0, 0, 0, 0], [0, 0, 0, 0, 640], [1, 129, 0, 300, 210]):
+        s_d.copy_(torch.tensor(splits))
+        g.replay()
+        torch.cuda.synchronize()
+        gid = _gid(torch.tensor(splits))
+        y64 = torch.einsum("mk,mnk->mn", _deq64_block(xq, xs), _deq64_block(wq, ws, square=True)[gid])
+        assert_sqnr(y.cpu(), y64, KERNEL_DB, msg=str(splits))
+
 def test_padded_index_stays_inside_the_layout_for_bad_split_sizes():
     """Bad split sizes (flagged by the device-side check) must not make pad_groups write out of
     bounds: the indices are clamped into the layout."""
