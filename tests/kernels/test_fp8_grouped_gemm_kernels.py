@@ -135,6 +135,11 @@ def _blocks(x, **kw):
     return cast_block_ref(x, **kw)
 
 
+def _block_weights(w):
+    """Each expert's weight [G, N, K] cast in 128x128 blocks inside its group: (bytes, scale_inv [G, N/128, K/128])."""
+    per_group = [_blocks(w[g], square=True) for g in range(w.shape[0])]
+    return torch.stack([p[0] for p in per_group]), torch.stack([p[1] for p in per_group])
+
 def _deq64_block(data, inv, square=False):
     s = inv.double().repeat_interleave(128, dim=-1)[..., : data.shape[-1]]
     if square:
@@ -170,8 +175,7 @@ def test_interpreter_block_scaled_mm_and_wgrad(carrier, splits, monkeypatch):
     x, dy, w, split = _block_case(splits, N, Kd)
     G = len(splits)
     xq, xs, _, _ = _blocks(x, square=False)
-    per_group = [_blocks(w[g], square=True) for g in range(G)]  # 128x128 blocks inside each group
-    wq, ws = torch.stack([p[0] for p in per_group]), torch.stack([p[1] for p in per_group])
+    wq, ws = _block_weights(w)
     spy = _spy(monkeypatch)
     with K.use("triton"):
         y = F.fp8_grouped_mm((xq.to(carrier), xs), (wq.to(carrier), ws), split, torch.float32)
@@ -307,8 +311,7 @@ def test_gpu_block_scaled_mm_and_wgrad(tma, splits, monkeypatch):
     x, dy, w, split = _block_case(splits, N, Kd, seed=1)
     G = len(splits)
     xq, xs, _, _ = _blocks(x, square=False)
-    per_group = [_blocks(w[g], square=True) for g in range(G)]
-    wq, ws = torch.stack([p[0] for p in per_group]), torch.stack([p[1] for p in per_group])
+    wq, ws = _block_weights(w)
     wt = (wq.view(torch.uint8).transpose(1, 2).contiguous().view(wq.dtype), ws.transpose(1, 2).contiguous())
     dyq, dys, _, _ = _blocks(dy, square=False)
     _, _, dyt, dyts = _blocks(F.pad_groups(dy, split), square=False, transposed=True)
@@ -344,8 +347,7 @@ def test_gpu_block_scaled_graph_replay_with_changed_splits():
     N, Kd = 256, 384
     x, _, w, split = _block_case([100, 0, 333, 7, 200], N, Kd, seed=2)
     xq, xs, _, _ = _blocks(x, square=False)
-    per_group = [_blocks(w[g], square=True) for g in range(w.shape[0])]
-    wq, ws = torch.stack([p[0] for p in per_group]), torch.stack([p[1] for p in per_group])
+    wq, ws = _block_weights(w)
     a_d, b_d, s_d = (xq.cuda(), xs.cuda()), (wq.cuda(), ws.cuda()), split.cuda()
     F.fp8_grouped_mm(a_d, b_d, s_d, torch.float32)  # compile and tune outside the capture
     g = torch.cuda.CUDAGraph()
