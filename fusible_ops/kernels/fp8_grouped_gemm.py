@@ -40,7 +40,8 @@ from . import HAS_TRITON, use_triton
 from .fp8_gemm import fp8_capable
 from .grouped_gemm import grouped_gemm_fwd_ref, grouped_gemm_wgrad_ref
 from .launch import TunedKernel, cdiv, dot_precision, kernel_op
-from .persistent import INTERP_MN, INTERP_WG, check_splits, group_p2, persistent_grid, tma_ok
+from .persistent import (INTERP_MN, INTERP_WG, check_splits, group_p2, persistent_grid, tma_ok, wgrad_grid,
+                         wgrad_tma_out)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _CARRIERS = (torch.float16, torch.float32)  # interpreter stand-ins for FP8 bytes
@@ -50,7 +51,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .persistent import (group_rows, mainloop, mn_config, operand_descs, tile_coords, tile_space, wgrad_config,
-                             wgrad_epilogue, wgrad_tile)
+                             wgrad_epilogue, wgrad_out_desc, wgrad_schedule, wgrad_tile)
 
     @triton.jit
     def _fp8_ggemm_kernel(
@@ -132,15 +133,11 @@ if HAS_TRITON:
         return r0.to(tl.int32), mg.to(tl.int32)
 
     @triton.jit
-    def _wgrad_block_loop(acc, at_ptr, bt_ptr, sat_ptr, sbt_ptr, r0, mg, n0, k0, offs_n, offs_k, nmask, kmask,
-                          N, K, MP, s_at, s_bt, s_san, s_sar, s_sbk, s_sbr,
-                          USE_TMA: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          BR: tl.constexpr):
+    def _wgrad_block_loop(acc, at_ptr, bt_ptr, a_desc, b_desc, sat_ptr, sbt_ptr, r0, mg, n0, k0, offs_n, offs_k,
+                          nmask, kmask, s_at, s_bt, s_san, s_sar, s_sbk, s_sbr,
+                          USE_TMA: tl.constexpr, PREC: tl.constexpr, BR: tl.constexpr):
         """acc += sum over the group's padded 128-row chunks c of (a_t[n, c] @ b_t[k, c].T) * sat[n, c] * sbt[k, c]
         (padding rows are zeros: no row mask; chunks never leave the padded buffer)."""
-        if USE_TMA:
-            a_desc = tl.make_tensor_descriptor(at_ptr, shape=[N, MP], strides=[s_at, 1], block_shape=[BN, BR])
-            b_desc = tl.make_tensor_descriptor(bt_ptr, shape=[K, MP], strides=[s_bt, 1], block_shape=[BK, BR])
         a_rows = at_ptr + offs_n.to(tl.int64)[:, None] * s_at
         b_rows = bt_ptr + offs_k.to(tl.int64)[:, None] * s_bt
         sa_base = sat_ptr + offs_n.to(tl.int64) * s_san
@@ -165,7 +162,7 @@ if HAS_TRITON:
         """acc += a_t[n tile, rows of g] @ b_t[k tile, rows of g].T through masked pointer loads."""
         a_base = at_ptr + offs_n.to(tl.int64)[:, None] * s_at
         b_base = bt_ptr + offs_k.to(tl.int64)[:, None] * s_bt
-        for r in range(0, mg, BR):
+        for r in tl.range(0, mg, BR, num_stages=1):  # (not pipelined: no shared-memory ring of its own)
             lr = r + tl.arange(0, BR)
             cols = (r0 + lr).to(tl.int64)[None, :]
             rmask = (lr < mg)[None, :]
@@ -182,52 +179,64 @@ if HAS_TRITON:
         sa_ptr, sb_ptr, split_ptr,
         M, N, K, G, s_at, s_bt, s_og, s_on, s_ok,
         s_san, s_sar, s_sbk, s_sbr,  # BLOCK: strides of the scale_inv tensors [N, Mp/128], [K, Mp/128]
-        ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, PREC: tl.constexpr, G_P2: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
-        BLOCK: tl.constexpr = False,
+        ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, OUT_TMA: tl.constexpr, PREC: tl.constexpr,
+        G_P2: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
+        BLOCK: tl.constexpr = False, PPS: tl.constexpr = 0, TMA_STORE: tl.constexpr = False,
     ):
-        """out[g] (+)= (a_t[:, rows of g] @ b_t[:, rows of g].T) * sa * sb; one [BN, BK] tile per
-        program, grid G * tiles_n * tiles_k. ``BLOCK``: a_t, b_t in the padded layout of
-        :func:`pad_groups` (M = Mp) with 1x128 scales along it, applied per 128-row chunk."""
-        g, n0, k0 = wgrad_tile(tl.program_id(0), N, K, BN, BK, GROUP_N)
-        offs_n = n0 + tl.arange(0, BN)
-        offs_k = k0 + tl.arange(0, BK)
-        nmask = offs_n < N
-        kmask = offs_k < K
-        acc = tl.zeros((BN, BK), dtype=tl.float32)
-        if BLOCK:
-            r0, mg = _padded_group_rows(split_ptr, g, G, M, G_P2)
-            acc = _wgrad_block_loop(acc, at_ptr, bt_ptr, sa_ptr, sb_ptr, r0, mg, n0, k0, offs_n, offs_k, nmask, kmask,
-                                    N, K, M, s_at, s_bt, s_san, s_sar, s_sbk, s_sbr, USE_TMA, PREC, BN, BK, BR)
+        """out[g] (+)= (a_t[:, rows of g] @ b_t[:, rows of g].T) * sa * sb over [BN, BK] tiles
+        (:func:`wgrad_schedule`: one per program, or persistent). ``BLOCK``: a_t, b_t in the padded
+        layout of :func:`pad_groups` (M = Mp) with 1x128 scales along it, applied per 128-row chunk.
+        TMA descriptors span all M columns and are made once per program."""
+        first, total, step = wgrad_schedule(N, K, G, BN, BK, PPS)
+        if USE_TMA:
+            a_desc = tl.make_tensor_descriptor(at_ptr, shape=[N, M], strides=[s_at, 1], block_shape=[BN, BR])
+            b_desc = tl.make_tensor_descriptor(bt_ptr, shape=[K, M], strides=[s_bt, 1], block_shape=[BK, BR])
         else:
-            r0, mg = group_rows(split_ptr, g, G, M, G_P2)
-            acc = _wgrad_tensor_loop(acc, at_ptr, bt_ptr, r0, mg, n0, k0, offs_n, offs_k, nmask, kmask, N, K,
-                                     s_at, s_bt, USE_TMA, PREC, BN, BK, BR)
-            acc = acc * (tl.load(sa_ptr).to(tl.float32) * tl.load(sb_ptr).to(tl.float32))
-        wgrad_epilogue(acc, out_ptr, g, s_og, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BN, BK)
+            a_desc = at_ptr
+            b_desc = bt_ptr
+        o_desc = wgrad_out_desc(out_ptr, G, N, K, s_og, s_on, OUT_TMA, TMA_STORE, BN, BK)
+        if not BLOCK:
+            scale = tl.load(sa_ptr).to(tl.float32) * tl.load(sb_ptr).to(tl.float32)
+        for t in range(first, total, step):
+            g, n0, k0 = wgrad_tile(t, N, K, BN, BK, GROUP_N)
+            offs_n = n0 + tl.arange(0, BN)
+            offs_k = k0 + tl.arange(0, BK)
+            nmask = offs_n < N
+            kmask = offs_k < K
+            acc = tl.zeros((BN, BK), dtype=tl.float32)
+            if BLOCK:
+                r0, mg = _padded_group_rows(split_ptr, g, G, M, G_P2)
+                acc = _wgrad_block_loop(acc, at_ptr, bt_ptr, a_desc, b_desc, sa_ptr, sb_ptr, r0, mg, n0, k0, offs_n,
+                                        offs_k, nmask, kmask, s_at, s_bt, s_san, s_sar, s_sbk, s_sbr, USE_TMA, PREC, BR)
+            else:
+                r0, mg = group_rows(split_ptr, g, G, M, G_P2)
+                acc = _wgrad_tensor_loop(acc, at_ptr, bt_ptr, a_desc, b_desc, r0, mg, n0, k0, offs_n, offs_k, nmask,
+                                         kmask, s_at, s_bt, USE_TMA, PREC, BR)
+                acc = acc * scale
+            wgrad_epilogue(acc, out_ptr, o_desc, g, s_og, n0, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE,
+                           OUT_TMA, TMA_STORE, BN, BK)
 
     @triton.jit
-    def _wgrad_tensor_loop(acc, at_ptr, bt_ptr, r0, mg, n0, k0, offs_n, offs_k, nmask, kmask, N, K, s_at, s_bt,
-                           USE_TMA: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           BR: tl.constexpr):
+    def _wgrad_tensor_loop(acc, at_ptr, bt_ptr, a_desc, b_desc, r0, mg, n0, k0, offs_n, offs_k, nmask, kmask,
+                           s_at, s_bt, USE_TMA: tl.constexpr, PREC: tl.constexpr, BR: tl.constexpr):
         """acc += a_t[n tile, rows of g] @ b_t[k tile, rows of g].T (per-tensor operands).
 
-        TMA reads the group's 16-aligned middle [h, b) (loads start on 16-byte boundaries: an
-        unaligned start faulted on the H200; the extent ends at b, so TMA zero-fills past it);
-        the < 16 columns before h and after b take masked pointer loads. (Sending every group with
-        an unaligned start or size to the pointer loop made the whole weight gradient ~50x slower
-        under real routing's split sizes: H200, 2026-11-25.)"""
+        TMA reads whole BR-column chunks from the group's first 16-aligned column h (loads start on
+        16-byte boundaries: an unaligned start faulted on the H200); the < 16 columns before h and
+        the last partial chunk take masked pointer loads 32 columns at a time (narrow: their
+        pointer tensors would otherwise cost the TMA loop registers), so no load reaches the next
+        group.
+        (Sending every group with an unaligned start or size to the pointer loop made the whole
+        weight gradient ~50x slower under real routing's split sizes: H200, 2026-11-25.)"""
         if USE_TMA:
             end = r0 + mg
             h = tl.minimum((r0 + 15) // 16 * 16, end)
-            b = tl.maximum(end // 16 * 16, h)
-            acc = _wgrad_ptr_loop(acc, at_ptr, bt_ptr, r0, h - r0, offs_n, offs_k, nmask, kmask, s_at, s_bt, PREC, BR)
-            cols_end = tl.maximum(b, 16)  # (never a zero-size descriptor; unused when h == b)
-            a_desc = tl.make_tensor_descriptor(at_ptr, shape=[N, cols_end], strides=[s_at, 1], block_shape=[BN, BR])
-            b_desc = tl.make_tensor_descriptor(bt_ptr, shape=[K, cols_end], strides=[s_bt, 1], block_shape=[BK, BR])
-            for r in range(h, b, BR):
+            full = (end - h) // BR * BR
+            acc = _wgrad_ptr_loop(acc, at_ptr, bt_ptr, r0, h - r0, offs_n, offs_k, nmask, kmask, s_at, s_bt, PREC, 32)
+            for r in range(h, h + full, BR):
                 acc = tl.dot(a_desc.load([n0, r]), tl.trans(b_desc.load([k0, r])), acc, input_precision=PREC)
-            acc = _wgrad_ptr_loop(acc, at_ptr, bt_ptr, b, end - b, offs_n, offs_k, nmask, kmask, s_at, s_bt, PREC, BR)
+            acc = _wgrad_ptr_loop(acc, at_ptr, bt_ptr, h + full, end - h - full, offs_n, offs_k, nmask, kmask, s_at,
+                                  s_bt, PREC, 32)
         else:
             acc = _wgrad_ptr_loop(acc, at_ptr, bt_ptr, r0, mg, offs_n, offs_k, nmask, kmask, s_at, s_bt, PREC, BR)
         return acc
@@ -236,9 +245,15 @@ if HAS_TRITON:
     _MM_CONFIGS = [mn_config(128, 256, 128, 8, 3), mn_config(128, 256, 128, 8, 4),
                    mn_config(128, 256, 128, 8, 3, flat=True), mn_config(128, 128, 128, 8, 4),
                    mn_config(128, 128, 128, 4, 4, pps=2), mn_config(64, 128, 128, 4, 4, pps=2)]
+    # Short per-group reductions (few rows per expert): persistent, two programs per SM, TMA-store
+    # epilogue. H200, 64 experts of 256 rows, FC1 (N=2816, K=2048), bf16 out: 1040 us with the
+    # first six (1 CTA per SM at 4 stages), 371 us persistent.
     _WG_CONFIGS = [wgrad_config(128, 256, 128, 8, 3), wgrad_config(128, 256, 64, 8, 4),
                    wgrad_config(128, 128, 128, 8, 4), wgrad_config(128, 128, 128, 4, 4),
-                   wgrad_config(128, 128, 64, 4, 4), wgrad_config(64, 64, 64, 4, 3)]
+                   wgrad_config(128, 128, 64, 4, 4), wgrad_config(64, 64, 64, 4, 3),
+                   wgrad_config(128, 128, 128, 4, 3), wgrad_config(128, 128, 128, 4, 2, pps=2, tma_out=True),
+                   wgrad_config(128, 128, 128, 4, 3, pps=2), wgrad_config(128, 128, 128, 8, 3, pps=2),
+                   wgrad_config(128, 256, 128, 8, 3, pps=1, tma_out=True)]
     # Block scaling keeps a second fp32 tile (each K step's partial product) live: smaller tiles.
     _MM_BLOCK_CONFIGS = [mn_config(128, 128, 128, 8, 3), mn_config(128, 128, 128, 8, 4), mn_config(128, 128, 128, 8, 5),
                          mn_config(128, 64, 128, 4, 4), mn_config(64, 128, 128, 4, 4, pps=2),
@@ -248,7 +263,7 @@ if HAS_TRITON:
                          wgrad_config(64, 128, 128, 4, 3), wgrad_config(128, 64, 128, 4, 4),
                          wgrad_config(64, 64, 64, 4, 3)]
     _MM_KEY = ["N", "K", "USE_TMA", "HAS_BIAS"]
-    _WG_KEY = ["N", "K", "USE_TMA", "ACCUMULATE"]
+    _WG_KEY = ["N", "K", "USE_TMA", "OUT_TMA", "ACCUMULATE"]
     MM_KERNEL = TunedKernel(_fp8_ggemm_kernel, _MM_CONFIGS, _MM_KEY, (_MM_CONFIGS[0], _MM_CONFIGS[5]), INTERP_MN,
                             fit={"N": "BN", "K": "BK"})
     WGRAD_KERNEL = TunedKernel(_fp8_ggemm_wgrad_kernel, _WG_CONFIGS, _WG_KEY, (_WG_CONFIGS[0], _WG_CONFIGS[5]),
@@ -287,10 +302,10 @@ def _launch_wgrad(at, sa, bt, sb, split, out, accumulate):
     sstrides = (*sa.stride(), *sb.stride()) if block else (0,) * 4
     args = (at, bt, out, sa, sb, split, M, N, K, G, at.stride(0), bt.stride(0), out.stride(0), out.stride(1),
             out.stride(2), *sstrides)
-    const = dict(ACCUMULATE=accumulate, USE_TMA=M > 0 and tma_ok(at, bt), PREC=dot_precision(at.dtype),
-                 G_P2=group_p2(G), BLOCK=block)
-    (WGRAD_BLOCK_KERNEL if block else WGRAD_KERNEL).launch(
-        lambda meta: (G * cdiv(N, meta["BN"]) * cdiv(K, meta["BK"]),), args, const, at.dtype, at.device)
+    const = dict(ACCUMULATE=accumulate, USE_TMA=M > 0 and tma_ok(at, bt), OUT_TMA=wgrad_tma_out(out, accumulate),
+                 PREC=dot_precision(at.dtype), G_P2=group_p2(G), BLOCK=block)
+    (WGRAD_BLOCK_KERNEL if block else WGRAD_KERNEL).launch(wgrad_grid(G, N, K, at.device), args, const, at.dtype,
+                                                           at.device)
     return out
 
 

@@ -35,8 +35,9 @@ except ImportError:  # pragma: no cover - exercised only without triton
 
 INTERP_MN = {"BM": 16, "BN": 16, "BK": 16, "GROUP_M": 2}
 """Meta-parameters of the tile-space kernels under Triton's interpreter (tiny: loops really loop)."""
-INTERP_WG = {"BN": 16, "BK": 16, "BR": 16, "GROUP_N": 2}
-"""Meta-parameters of the weight-gradient kernel under the interpreter."""
+INTERP_WG = {"BN": 16, "BK": 16, "BR": 16, "GROUP_N": 2, "PPS": 1}
+"""Meta-parameters of the weight-gradient kernels under the interpreter (persistent: the tile loop
+really loops)."""
 INTERP_PROGS = 3
 """Persistent programs under the interpreter."""
 
@@ -169,6 +170,29 @@ if HAS_TRITON:
         return g, pid_n * BN, pid_k * BK
 
     @triton.jit
+    def wgrad_schedule(N, K, G, BN: tl.constexpr, BK: tl.constexpr, PPS: tl.constexpr):
+        """(first tile, tile count, stride) of this weight-gradient program: G * cdiv(N, BN) *
+        cdiv(K, BK) tiles; ``PPS`` 0: one tile per program, else persistent (the grid is
+        :func:`wgrad_grid`'s, each program strides over the tiles)."""
+        total = G * tl.cdiv(N, BN) * tl.cdiv(K, BK)
+        if PPS:
+            step = tl.num_programs(0)
+        else:
+            step = total
+        return tl.program_id(0), total, step
+
+    @triton.jit
+    def wgrad_out_desc(out_ptr, G, N, K, s_og, s_on, OUT_TMA: tl.constexpr, TMA_STORE: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr):
+        """TMA descriptor of the weight gradient [G, N, K] where the launcher allows one
+        (``OUT_TMA``) and the config asks for it (``TMA_STORE``), else the plain pointer."""
+        if OUT_TMA and TMA_STORE:
+            return tl.make_tensor_descriptor(out_ptr, shape=[G, N, K], strides=[s_og, s_on, 1],
+                                             block_shape=[1, BN, BK])
+        else:
+            return out_ptr
+
+    @triton.jit
     def wgrad_store(acc, o_base, offs_n, nmask, c0, K, mg, s_on, s_ok, ACCUMULATE: tl.constexpr, BC: tl.constexpr):
         """Store (or add into) out[g][n-tile, c0:c0+BC] from the fp32 tile ``acc``."""
         offs_k = c0 + tl.arange(0, BC)
@@ -181,17 +205,24 @@ if HAS_TRITON:
         tl.store(o_ptrs, acc.to(o_base.dtype.element_ty), mask=omask)
 
     @triton.jit
-    def wgrad_epilogue(acc, out_ptr, g, s_og, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE: tl.constexpr,
+    def wgrad_epilogue(acc, out_ptr, o_desc, g, s_og, n0, offs_n, nmask, k0, K, mg, s_on, s_ok,
+                       ACCUMULATE: tl.constexpr, OUT_TMA: tl.constexpr, TMA_STORE: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr):
-        """:func:`wgrad_store` of group ``g``'s [BN, BK] tile at column ``k0``; an accumulating
-        store of a wide tile goes in two column halves (register pressure of the read-modify-write)."""
-        o_base = out_ptr + g.to(tl.int64) * s_og
-        if ACCUMULATE and BK >= 128:
-            acc0, acc1 = split_cols(acc, BN, BK)
-            wgrad_store(acc0, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
-            wgrad_store(acc1, o_base, offs_n, nmask, k0 + BK // 2, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
+        """Group ``g``'s [BN, BK] tile at (``n0``, ``k0``) into the weight gradient: a TMA store
+        through ``o_desc`` (:func:`wgrad_out_desc`; asynchronous, the next tile's loads overlap
+        it), else :func:`wgrad_store`; an accumulating store of a wide tile goes in two column
+        halves (register pressure of the read-modify-write)."""
+        if OUT_TMA and TMA_STORE:
+            tl.static_assert(not ACCUMULATE, "the TMA epilogue only overwrites")
+            o_desc.store([g, n0, k0], tl.reshape(acc.to(out_ptr.dtype.element_ty), (1, BN, BK)))
         else:
-            wgrad_store(acc, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK)
+            o_base = out_ptr + g.to(tl.int64) * s_og
+            if ACCUMULATE and BK >= 128:
+                acc0, acc1 = split_cols(acc, BN, BK)
+                wgrad_store(acc0, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
+                wgrad_store(acc1, o_base, offs_n, nmask, k0 + BK // 2, K, mg, s_on, s_ok, ACCUMULATE, BK // 2)
+            else:
+                wgrad_store(acc, o_base, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE, BK)
 
     @triton.jit
     def _splits_valid(split_ptr, G, rows, G_P2: tl.constexpr):
@@ -224,10 +255,12 @@ if HAS_TRITON:
             meta["FLATTEN"] = True
         return triton.Config(meta, num_warps=warps, num_stages=stages)
 
-    def wgrad_config(bn, bk, br, warps, stages):
-        """A config of the weight-gradient kernel."""
-        return triton.Config({"BN": bn, "BK": bk, "BR": br, "GROUP_N": 8}, num_warps=warps, num_stages=stages)
-
+    def wgrad_config(bn, bk, br, warps, stages, pps=0, tma_out=False):
+        """A config of a weight-gradient kernel: ``pps`` 0 one tile per program, else that many
+        persistent programs per SM (:func:`wgrad_grid`); ``tma_out``: TMA-store epilogue where the
+        launcher allows it (an overwritten, TMA-aligned output)."""
+        return triton.Config({"BN": bn, "BK": bk, "BR": br, "GROUP_N": 8, "PPS": pps, "TMA_STORE": tma_out},
+                             num_warps=warps, num_stages=stages)
 
 def group_p2(G: int) -> int:
     """The power of two >= G (>= 2) that sizes the in-kernel group table."""
@@ -251,6 +284,25 @@ def persistent_grid(M: int, G: int, n_cols: int, device: torch.device):
         max_tiles = (cdiv(M, meta["BM"]) + G) * cdiv(n_cols, meta["BN"])
         return (max(1, min(progs * meta.get("PPS", 1), max_tiles)),)
     return grid
+
+
+def wgrad_grid(G: int, N: int, K: int, device: torch.device):
+    """Grid of a weight-gradient kernel (:func:`wgrad_schedule`): one program per tile, or with
+    ``PPS`` > 0 min(tiles, persistent SMs x PPS) programs."""
+    progs = persistent_sms(device)
+
+    def grid(meta):
+        tiles = G * cdiv(N, meta["BN"]) * cdiv(K, meta["BK"])
+        pps = meta.get("PPS", 0)
+        return (max(1, min(tiles, progs * pps)) if pps else tiles,)
+    return grid
+
+
+def wgrad_tma_out(out: torch.Tensor, accumulate: bool) -> bool:
+    """Whether a weight-gradient kernel may store ``out`` through TMA (:func:`wgrad_epilogue`): an
+    overwritten (not accumulated) 16-bit output that :func:`tma_ok` accepts. (fp32 outputs keep
+    the pointer epilogue: the TMA one was measured only on 16-bit outputs.)"""
+    return not accumulate and out.element_size() == 2 and tma_ok(out)
 
 
 _CAPABILITY: dict[int, tuple] = {}
@@ -356,5 +408,8 @@ def same_dtype(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 __all__ = ["INTERP_MN", "INTERP_PROGS", "INTERP_WG", "check_splits", "group_p2", "persistent_grid", "persistent_sms", "same_dtype",
-           "splits_assert", "splits_equal_assert", "splits_ok", "tma_ok"] + (["group_rows", "group_table", "locate_tile", "mainloop", "mn_config", "operand_descs", "pick", "split_cols",
-                         "tile_coords", "tile_space", "wgrad_config", "wgrad_store", "wgrad_tile"] if HAS_TRITON else [])
+           "splits_assert", "splits_equal_assert", "splits_ok", "tma_ok", "wgrad_grid",
+           "wgrad_tma_out"] + (
+               ["group_rows", "group_table", "locate_tile", "mainloop", "mn_config", "operand_descs", "pick", "split_cols",
+                "tile_coords", "tile_space", "wgrad_config", "wgrad_out_desc", "wgrad_schedule", "wgrad_store",
+                "wgrad_tile"] if HAS_TRITON else [])

@@ -242,6 +242,35 @@ def test_gpu_mm_and_wgrad(tma, dtypes, splits, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("cfg", F.WGRAD_KERNEL.configs if torch.cuda.is_available() else [],
+                         ids=lambda c: "x".join(str(c.kwargs[k]) for k in ("BN", "BK", "BR"))
+                         + f"w{c.num_warps}s{c.num_stages}pps{c.kwargs.get('PPS', 0)}"
+                         + ("tma_out" if c.kwargs.get("TMA_STORE") else ""))
+def test_gpu_every_wgrad_config(cfg, monkeypatch):
+    """Each per-tensor weight-gradient config of the autotuning list, fixed (one tile per program
+    or persistent; pointer or TMA-store epilogue), on split sizes with unaligned group starts,
+    partial chunks and an empty group: a new bf16 output (the TMA store where the config asks for
+    it) and an fp32 main_grad accumulated, against float64 by SQNR."""
+    _skip_without_fp8()
+    monkeypatch.setattr(F.WGRAD_KERNEL, "fixed", (cfg, cfg))
+    splits = [100, 0, 333, 7, 200, 256]
+    M, N, K = sum(splits), 272, 384
+    a, _, _, split = _case(M, N, K, splits)
+    dy_t = _fp8((N, M), E4M3, torch.Generator().manual_seed(3))
+    x_t = (a[0].t().contiguous(), a[1])
+    d = "cuda"
+    want = wgrad64(dy_t, x_t, split)
+    dw = F.fp8_grouped_wgrad(_on(dy_t, d), _on(x_t, d), split.to(d), out_dtype=torch.bfloat16)
+    assert dw.dtype == torch.bfloat16 and not dw[1].any()
+    assert_sqnr(dw.float().cpu(), want, KERNEL_DB, msg="new bf16")
+    main = torch.randn(len(splits), N, K, device=d)
+    before = main.clone()
+    F.fp8_grouped_wgrad(_on(dy_t, d), _on(x_t, d), split.to(d), out=main, accumulate=True)
+    assert_sqnr((main - before).cpu(), want, KERNEL_DB, msg="accumulate")
+    assert torch.equal(main[1], before[1])
+
+
+@gpu
 def test_gpu_graph_replay_with_changed_splits():
     _skip_without_fp8()
     d = "cuda"

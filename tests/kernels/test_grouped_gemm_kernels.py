@@ -238,6 +238,36 @@ def test_gpu_all_ops(M, N, Kd, splits, dtype):
             assert torch.equal(acc[g], acc0[g]) and not dw[g].any()
 
 
+def _wg_id(cfg) -> str:
+    m = cfg.kwargs
+    return (f"{m['BN']}x{m['BK']}x{m['BR']}w{cfg.num_warps}s{cfg.num_stages}pps{m.get('PPS', 0)}"
+            + ("tma_out" if m.get("TMA_STORE") else ""))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", gg.WGRAD_KERNEL.configs if CUDA else [], ids=_wg_id)
+def test_gpu_every_wgrad_config(cfg, monkeypatch):
+    """Each weight-gradient config of the autotuning list, fixed (one tile per program or
+    persistent; pointer or TMA-store epilogue), on split sizes whose groups end mid-chunk, with an
+    empty group: a new bf16 output (the TMA store where the config asks for it), a bf16 output
+    overwritten and an fp32 main_grad accumulated (pointer epilogues), against float64."""
+    monkeypatch.setattr(gg.WGRAD_KERNEL, "fixed", (cfg, cfg))
+    splits = [300, 0, 411, 1, 288, 64]
+    x, w, b, dy, split = _data(sum(splits), 200, 136, splits, torch.bfloat16, "cuda")
+    want = wgrad64(dy, x, split)
+    dw = gg.grouped_gemm_wgrad(dy, x, split)
+    assert_close_norm(dw, want, torch.bfloat16, msg="new")
+    assert not dw[1].any()
+    out = torch.full_like(dw, float("nan"))
+    gg.grouped_gemm_wgrad(dy, x, split, out=out)
+    assert torch.equal(out, dw)
+    main = torch.randn(dw.shape, device="cuda")
+    before = main.clone()
+    gg.grouped_gemm_wgrad(dy, x, split, out=main, accumulate=True)
+    assert_close_norm(main, want + before.double().cpu(), torch.float32, msg="accumulate")
+    assert torch.equal(main[1], before[1])
+
+
 @pytest.mark.gpu
 def test_gpu_many_groups():
     """G = 130 (group table of 256 lanes), skewed sizes with many empty groups."""
