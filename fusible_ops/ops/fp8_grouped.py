@@ -44,9 +44,10 @@ from ..quantization.recipes import Float8BlockScaling, current_recipe
 FP8_WGRAD_MIN_ROWS = 512
 """Rows per expert (token rows / groups) below which a per-tensor FP8 GroupedLinear computes its
 weight gradient in 16 bits. Its reduction runs over an expert's rows, so each output tile's K loop
-is that short, and the FP8 kernel's per-tile cost dominates. H200, 2026-11-28 (.diag profiles):
-64 experts of 256 rows (grouped_mlp_64e shapes), FP8 0.708 ms against bf16 0.429 ms per weight
-gradient; at N=14336, K=4096, FP8 over bf16 1.18x at 1024 rows per expert, 1.34x at 2048."""
+is that short, and the FP8 kernel's per-tile cost dominates. H200, 2026-11-28, harness: FC1 of 64
+experts of 256 rows (grouped_mlp_64e shapes), FP8 0.625 ms against bf16 0.483 ms; the whole
+64-expert FP8 MLP step 1.643 ms with this switch, 1.851 ms with FP8 weight gradients (the switch
+at 0). At 2048 rows per expert (the 8-expert FC1) FP8 takes 2.140 ms against bf16 2.919."""
 
 
 def grouped_recipe():
