@@ -198,11 +198,7 @@ if HAS_TRITON:
         if not BLOCK:
             scale = tl.load(sa_ptr).to(tl.float32) * tl.load(sb_ptr).to(tl.float32)
         for t in range(first, total, step):
-            g, n0, k0 = wgrad_tile(t, N, K, BN, BK, GROUP_N)
-            offs_n = n0 + tl.arange(0, BN)
-            offs_k = k0 + tl.arange(0, BK)
-            nmask = offs_n < N
-            kmask = offs_k < K
+            g, n0, k0, offs_n, offs_k, nmask, kmask = wgrad_tile(t, N, K, BN, BK, GROUP_N)
             acc = tl.zeros((BN, BK), dtype=tl.float32)
             if BLOCK:
                 r0, mg = _padded_group_rows(split_ptr, g, G, M, G_P2)

@@ -98,14 +98,10 @@ if HAS_TRITON:
             x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[s_xm, 1], block_shape=[BR, BK])
         o_desc = wgrad_out_desc(out_ptr, G, N, K, s_og, s_on, OUT_TMA, TMA_STORE, BN, BK)
         for t in range(first, total, step):
-            g, n0, k0 = wgrad_tile(t, N, K, BN, BK, GROUP_N)
+            g, n0, k0, offs_n, offs_k, nmask, kmask = wgrad_tile(t, N, K, BN, BK, GROUP_N)
             sel = gi == g
             r0 = pick(start, sel)
             mg = pick(m, sel)
-            offs_n = n0 + tl.arange(0, BN)
-            offs_k = k0 + tl.arange(0, BK)
-            nmask = offs_n < N
-            kmask = offs_k < K
             acc = tl.zeros((BN, BK), dtype=tl.float32)
             if USE_TMA:
                 tail = mg // BR * BR

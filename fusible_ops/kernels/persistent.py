@@ -155,8 +155,9 @@ if HAS_TRITON:
 
     @triton.jit
     def wgrad_tile(pid, N, K, BN: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.constexpr):
-        """(g, n0, k0) of weight-gradient program ``pid``: G * cdiv(N, BN) * cdiv(K, BK) programs,
-        group-major, with a GROUP_N swizzle of the n tiles inside a group."""
+        """(g, n0, k0, offs_n [BN], offs_k [BK], nmask, kmask) of weight-gradient tile ``pid`` of
+        G * cdiv(N, BN) * cdiv(K, BK), group-major, with a GROUP_N swizzle of the n tiles inside a
+        group."""
         tiles_n = tl.cdiv(N, BN)
         tiles_k = tl.cdiv(K, BK)
         per_g = tiles_n * tiles_k
@@ -167,7 +168,9 @@ if HAS_TRITON:
         gsz = tl.minimum(tiles_n - first_n, GROUP_N)
         pid_n = first_n + (local % width) % gsz
         pid_k = (local % width) // gsz
-        return g, pid_n * BN, pid_k * BK
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_k = pid_k * BK + tl.arange(0, BK)
+        return g, pid_n * BN, pid_k * BK, offs_n, offs_k, offs_n < N, offs_k < K
 
     @triton.jit
     def wgrad_schedule(N, K, G, BN: tl.constexpr, BK: tl.constexpr, PPS: tl.constexpr):
