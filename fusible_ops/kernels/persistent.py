@@ -265,6 +265,7 @@ if HAS_TRITON:
         return triton.Config({"BN": bn, "BK": bk, "BR": br, "GROUP_N": 8, "PPS": pps, "TMA_STORE": tma_out},
                              num_warps=warps, num_stages=stages)
 
+
 def group_p2(G: int) -> int:
     """The power of two >= G (>= 2) that sizes the in-kernel group table."""
     return max(2, next_pow2(max(G, 1)))
