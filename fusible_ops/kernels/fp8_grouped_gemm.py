@@ -191,9 +191,13 @@ if HAS_TRITON:
         if USE_TMA:
             a_desc = tl.make_tensor_descriptor(at_ptr, shape=[N, M], strides=[s_at, 1], block_shape=[BN, BR])
             b_desc = tl.make_tensor_descriptor(bt_ptr, shape=[K, M], strides=[s_bt, 1], block_shape=[BK, BR])
+            ae_desc = tl.make_tensor_descriptor(at_ptr, shape=[N, M], strides=[s_at, 1], block_shape=[BN, 32])
+            be_desc = tl.make_tensor_descriptor(bt_ptr, shape=[K, M], strides=[s_bt, 1], block_shape=[BK, 32])
         else:
             a_desc = at_ptr
             b_desc = bt_ptr
+            ae_desc = at_ptr
+            be_desc = bt_ptr
         o_desc = wgrad_out_desc(out_ptr, G, N, K, s_og, s_on, OUT_TMA, TMA_STORE, BN, BK)
         if not BLOCK:
             scale = tl.load(sa_ptr).to(tl.float32) * tl.load(sb_ptr).to(tl.float32)
@@ -206,33 +210,47 @@ if HAS_TRITON:
                                         offs_k, nmask, kmask, s_at, s_bt, s_san, s_sar, s_sbk, s_sbr, USE_TMA, PREC, BR)
             else:
                 r0, mg = group_rows(split_ptr, g, G, M, G_P2)
-                acc = _wgrad_tensor_loop(acc, at_ptr, bt_ptr, a_desc, b_desc, r0, mg, n0, k0, offs_n, offs_k, nmask,
-                                         kmask, s_at, s_bt, USE_TMA, PREC, BR)
+                acc = _wgrad_tensor_loop(acc, at_ptr, bt_ptr, a_desc, b_desc, ae_desc, be_desc, r0, mg, n0, k0, offs_n,
+                                         offs_k, nmask, kmask, s_at, s_bt, USE_TMA, PREC, BR)
                 acc = acc * scale
             wgrad_epilogue(acc, out_ptr, o_desc, g, s_og, n0, offs_n, nmask, k0, K, mg, s_on, s_ok, ACCUMULATE,
                            OUT_TMA, TMA_STORE, BN, BK)
 
     @triton.jit
-    def _wgrad_tensor_loop(acc, at_ptr, bt_ptr, a_desc, b_desc, r0, mg, n0, k0, offs_n, offs_k, nmask, kmask,
-                           s_at, s_bt, USE_TMA: tl.constexpr, PREC: tl.constexpr, BR: tl.constexpr):
+    def _wgrad_edge(acc, ae_desc, be_desc, n0, k0, c0, lo, hi, PREC: tl.constexpr):
+        """acc += a_t[n tile, c] @ b_t[k tile, c].T over the columns c of [c0, c0 + 32) inside
+        [lo, hi): one 32-wide TMA chunk (c0 16-aligned; TMA zero-fills past M), the columns
+        outside zeroed in registers on both operands (no pointer tensors: masked pointer loads
+        along the contiguous dim made the kernel spill)."""
+        cols = c0 + tl.arange(0, 32)
+        keep = ((cols >= lo) & (cols < hi))[None, :]
+        a = ae_desc.load([n0, c0])
+        b = be_desc.load([k0, c0])
+        a = tl.where(keep, a, tl.zeros_like(a))
+        b = tl.where(keep, b, tl.zeros_like(b))
+        return tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+
+    @triton.jit
+    def _wgrad_tensor_loop(acc, at_ptr, bt_ptr, a_desc, b_desc, ae_desc, be_desc, r0, mg, n0, k0, offs_n, offs_k,
+                           nmask, kmask, s_at, s_bt, USE_TMA: tl.constexpr, PREC: tl.constexpr, BR: tl.constexpr):
         """acc += a_t[n tile, rows of g] @ b_t[k tile, rows of g].T (per-tensor operands).
 
         TMA reads whole BR-column chunks from the group's first 16-aligned column h (loads start on
-        16-byte boundaries: an unaligned start faulted on the H200); the < 16 columns before h and
-        the last partial chunk take masked pointer loads 32 columns at a time (narrow: their
-        pointer tensors would otherwise cost the TMA loop registers), so no load reaches the next
-        group.
-        (Sending every group with an unaligned start or size to the pointer loop made the whole
-        weight gradient ~50x slower under real routing's split sizes: H200, 2026-11-25.)"""
+        16-byte boundaries: an unaligned start faulted on the H200). The < 16 columns before h and
+        the last partial chunk are 32-wide TMA chunks from 16-aligned columns with the columns
+        outside the group zeroed in registers (:func:`_wgrad_edge`), so no other group's column
+        counts. (Sending every group with an unaligned start or size to the pointer loop made the
+        whole weight gradient ~50x slower under real routing's split sizes: H200, 2026-11-25.)"""
         if USE_TMA:
             end = r0 + mg
             h = tl.minimum((r0 + 15) // 16 * 16, end)
             full = (end - h) // BR * BR
-            acc = _wgrad_ptr_loop(acc, at_ptr, bt_ptr, r0, h - r0, offs_n, offs_k, nmask, kmask, s_at, s_bt, PREC, 32)
+            if h > r0:
+                acc = _wgrad_edge(acc, ae_desc, be_desc, n0, k0, r0 // 16 * 16, r0, h, PREC)
             for r in range(h, h + full, BR):
                 acc = tl.dot(a_desc.load([n0, r]), tl.trans(b_desc.load([k0, r])), acc, input_precision=PREC)
-            acc = _wgrad_ptr_loop(acc, at_ptr, bt_ptr, h + full, end - h - full, offs_n, offs_k, nmask, kmask, s_at,
-                                  s_bt, PREC, 32)
+            for c in range(h + full, end, 32):
+                acc = _wgrad_edge(acc, ae_desc, be_desc, n0, k0, c, c, end, PREC)
         else:
             acc = _wgrad_ptr_loop(acc, at_ptr, bt_ptr, r0, mg, offs_n, offs_k, nmask, kmask, s_at, s_bt, PREC, BR)
         return acc
