@@ -260,10 +260,10 @@ if HAS_TRITON:
                    mn_config(128, 256, 128, 8, 3, flat=True), mn_config(128, 128, 128, 8, 4),
                    mn_config(128, 128, 128, 4, 4, pps=2), mn_config(64, 128, 128, 4, 4, pps=2)]
     # Short per-group reductions (few rows per expert): persistent, two programs per SM, TMA-store
-    # epilogue. H200, 64 experts of 256 rows, FC1 (N=2816, K=2048), bf16 out: 1040 us tuned over
-    # the first six (1 CTA per SM at 4 stages), 521-666 us tuned over all (runs differ), 625 us in
-    # the harness. They compile to 255 registers (device); compiled offline (Triton 3.9), the 4-warp
-    # ones spill, from the masked pointer loads of the group edges. A probe without edge code: 371 us.
+    # epilogue. H200, 64 experts of 256 rows, FC1 (N=2816, K=2048), bf16 out, harness: 0.350 ms
+    # (1040 us with only the first six: one CTA per SM at 4 stages). The group edges as masked TMA
+    # chunks (_wgrad_edge) keep these configs from spilling; with masked pointer loads at the edges
+    # the same configs spilled 290-1460 B (offline compile) and took 0.52-0.67 ms.
     _WG_CONFIGS = [wgrad_config(128, 256, 128, 8, 3), wgrad_config(128, 256, 64, 8, 4),
                    wgrad_config(128, 128, 128, 8, 4), wgrad_config(128, 128, 128, 4, 4),
                    wgrad_config(128, 128, 64, 4, 4), wgrad_config(64, 64, 64, 4, 3),
