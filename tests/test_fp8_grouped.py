@@ -22,8 +22,9 @@ RECIPES = {"current": fo.Float8CurrentScaling(), "delayed": fo.Float8DelayedScal
 
 @pytest.fixture(autouse=True)
 def _fp8_weight_gradients(monkeypatch):
-    """These tests hold the FP8 weight gradient to the tables at their small expert sizes: the
-    16-bit one that few rows per expert take by default has its own tests (below)."""
+    """These tests hold the FP8 weight gradient to the tables at their small expert sizes (pinned,
+    whatever the default): the 16-bit one that FP8_WGRAD_MIN_ROWS > 0 selects has its own tests
+    (below)."""
     monkeypatch.setattr(fp8_grouped, "FP8_WGRAD_MIN_ROWS", 0)
 
 

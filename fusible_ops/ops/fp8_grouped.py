@@ -41,13 +41,13 @@ from ..quantization.casting import cached_weight, quantize
 from ..quantization.recipes import Float8BlockScaling, current_recipe
 
 
-FP8_WGRAD_MIN_ROWS = 512
+FP8_WGRAD_MIN_ROWS = 0
 """Rows per expert (token rows / groups) below which a per-tensor FP8 GroupedLinear computes its
-weight gradient in 16 bits. Its reduction runs over an expert's rows, so each output tile's K loop
-is that short, and the FP8 kernel's per-tile cost dominates. H200, 2026-11-28, harness: FC1 of 64
-experts of 256 rows (grouped_mlp_64e shapes), FP8 0.625 ms against bf16 0.483 ms; the whole
-64-expert FP8 MLP step 1.643 ms with this switch, 1.851 ms with FP8 weight gradients (the switch
-at 0). At 2048 rows per expert (the 8-expert FC1) FP8 takes 2.140 ms against bf16 2.919."""
+weight gradient in 16 bits (from the saved 16-bit input) instead of FP8. 0 (the default): always
+FP8. The weight gradient reduces over an expert's rows, so few rows make each output tile's K loop
+short. H200, 2026-11-28, harness ``grouped_mlp_64e`` (64 experts of 256 rows): the FP8 MLP step
+took 1.482 ms with FP8 weight gradients and 1.624 ms with this switch at 512 (16-bit weight
+gradients below 512 rows per expert). Raise it where a shape measures otherwise."""
 
 
 def grouped_recipe():
