@@ -298,14 +298,22 @@ def _launch_mm(a, sa, b, sb, bias, split, out_dtype):
     if M == 0 or N == 0:
         return c
     has_bias = bias is not None
+    bias_arg = bias if has_bias else c
     block = sa.dim() == 2  # 1x128 tiles [M, KB] (and 128x128 blocks [G, NB, KB])
-    sstrides = (*sa.stride(), *sb.stride()) if block else (0,) * 5
-    args = (a, b, c, sa, sb, bias if has_bias else c, split, M, N, K, G, a.stride(0), b.stride(0), b.stride(1),
-            c.stride(0), bias.stride(0) if has_bias else 0, *sstrides)
-    const = dict(HAS_BIAS=has_bias, USE_TMA=K > 0 and tma_ok(a, b), PREC=dot_precision(a.dtype), G_P2=group_p2(G),
-                 BLOCK=block)
-    (MM_BLOCK_KERNEL if block else MM_KERNEL).launch(persistent_grid(M, G, N, a.device), args, const, a.dtype,
-                                                     a.device)
+    # everything build() reads but the pointers (launch_cached: later calls skip build)
+    key = (a.shape, a.stride(), b.shape, b.stride(), c.stride(), sa.shape, sa.stride(), sb.shape, sb.stride(),
+           bias.stride() if has_bias else None, a.dtype, b.dtype, c.dtype, sa.dtype, sb.dtype, bias_arg.dtype,
+           split.dtype, a.device)
+
+    def build():
+        sstrides = (*sa.stride(), *sb.stride()) if block else (0,) * 5
+        args = (a, b, c, sa, sb, bias_arg, split, M, N, K, G, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+                bias.stride(0) if has_bias else 0, *sstrides)
+        const = dict(HAS_BIAS=has_bias, USE_TMA=K > 0 and tma_ok(a, b), PREC=dot_precision(a.dtype),
+                     G_P2=group_p2(G), BLOCK=block)
+        return args, const, persistent_grid(M, G, N, a.device)
+    (MM_BLOCK_KERNEL if block else MM_KERNEL).launch_cached(key, (a, b, c, sa, sb, bias_arg, split), build, a.dtype,
+                                                            a.device)
     return c
 
 
@@ -315,13 +323,18 @@ def _launch_wgrad(at, sa, bt, sb, split, out, accumulate):
     if G == 0 or N == 0 or K == 0:
         return out
     block = sa.dim() == 2  # padded layout, 1x128 tiles along M: [N, Mp/128], [K, Mp/128]
-    sstrides = (*sa.stride(), *sb.stride()) if block else (0,) * 4
-    args = (at, bt, out, sa, sb, split, M, N, K, G, at.stride(0), bt.stride(0), out.stride(0), out.stride(1),
-            out.stride(2), *sstrides)
-    const = dict(ACCUMULATE=accumulate, USE_TMA=M > 0 and tma_ok(at, bt), OUT_TMA=wgrad_tma_out(out, accumulate),
-                 PREC=dot_precision(at.dtype), G_P2=group_p2(G), BLOCK=block)
-    (WGRAD_BLOCK_KERNEL if block else WGRAD_KERNEL).launch(wgrad_grid(G, N, K, at.device), args, const, at.dtype,
-                                                           at.device)
+    key = (at.shape, at.stride(), bt.shape, bt.stride(), out.shape, out.stride(), sa.shape, sa.stride(), sb.shape,
+           sb.stride(), at.dtype, bt.dtype, out.dtype, sa.dtype, sb.dtype, split.dtype, at.device, accumulate)
+
+    def build():
+        sstrides = (*sa.stride(), *sb.stride()) if block else (0,) * 4
+        args = (at, bt, out, sa, sb, split, M, N, K, G, at.stride(0), bt.stride(0), out.stride(0), out.stride(1),
+                out.stride(2), *sstrides)
+        const = dict(ACCUMULATE=accumulate, USE_TMA=M > 0 and tma_ok(at, bt), OUT_TMA=wgrad_tma_out(out, accumulate),
+                     PREC=dot_precision(at.dtype), G_P2=group_p2(G), BLOCK=block)
+        return args, const, wgrad_grid(G, N, K, at.device)
+    (WGRAD_BLOCK_KERNEL if block else WGRAD_KERNEL).launch_cached(key, (at, bt, out, sa, sb, split), build, at.dtype,
+                                                                  at.device)
     return out
 
 
