@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from . import HAS_TRITON, use_triton
+from .fp8_cast import cast_block_mapped
 from .fp8_gemm import fp8_capable
 from .grouped_gemm import grouped_gemm_fwd_ref, grouped_gemm_wgrad_ref
 from .launch import TunedKernel, cdiv, dot_precision, kernel_op
@@ -393,6 +394,23 @@ def pad_groups(x: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def padded_rowmap(split_sizes: torch.Tensor, M: int) -> torch.Tensor:
+    """int32 [padded_rows(M, G)]: the row of the M-row input at each row of :func:`pad_groups`'
+    layout, -1 for a padding row (the inverse of :func:`padded_index`). Device ops only."""
+    rowmap = torch.full((padded_rows(M, split_sizes.shape[0]),), -1, dtype=torch.int32, device=split_sizes.device)
+    if M:
+        rowmap[padded_index(split_sizes, M)] = torch.arange(M, dtype=torch.int32, device=split_sizes.device)
+    return rowmap
+
+
+def cast_block_padded(x: torch.Tensor, split_sizes: torch.Tensor, pow2: bool = False):
+    """``x`` [M, K] cast in 1x128 tiles, row-wise as is and column-wise in :func:`pad_groups`'
+    layout (the block-scaled weight gradient's operand), from one read of ``x``: ``(q, scale_inv,
+    qt [K, Mp], scale_inv_t)``, bit-identical to ``cast_block(x)`` and the transposed
+    ``cast_block(pad_groups(x, split_sizes), transposed=True)`` (no padded copy is made)."""
+    return cast_block_mapped(x, padded_rowmap(split_sizes, x.shape[0]), pow2)
+
+
 # ----------------------------------------------------------------------------- refs
 def _deq(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """fp32 values of an operand: one scale, 1x128 tiles along the last dim ([R, C] with scales
@@ -510,5 +528,5 @@ def fp8_grouped_wgrad(a_t, b_t, split_sizes: torch.Tensor, out: Optional[torch.T
     return out
 
 
-__all__ = ["FP8_DTYPES", "fp8_triton_ok", "fp8_grouped_mm", "fp8_grouped_mm_ref", "fp8_grouped_wgrad",
+__all__ = ["FP8_DTYPES", "cast_block_padded", "padded_rowmap", "fp8_triton_ok", "fp8_grouped_mm", "fp8_grouped_mm_ref", "fp8_grouped_wgrad",
            "fp8_grouped_wgrad_ref", "pad_groups", "padded_index", "padded_rows"]

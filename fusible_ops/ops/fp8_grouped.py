@@ -23,9 +23,10 @@ gradient stay in FP8.
 Per-tensor recipes: one scale per tensor (all experts' weights share one). Block scaling
 (:class:`~fusible_ops.Float8BlockScaling`): x and dy in 1x128 tiles along K, each expert's weight
 in 128x128 blocks; the weight gradient reduces over tokens, so the column-wise copies of x and dy
-are cast after :func:`~fusible_ops.kernels.fp8_grouped_gemm.pad_groups` (every group starts on a
-multiple of 128 rows): no 1x128 tile spans two experts, no row is lost, the user's tensors are
-not padded. Feature sizes must be multiples of 128 there (any token count and split sizes).
+are cast in :func:`~fusible_ops.kernels.fp8_grouped_gemm.pad_groups`' layout (every group starts
+on a multiple of 128 rows): no 1x128 tile spans two experts, no row is lost. One pass over x (or
+dy) writes both copies (:func:`~fusible_ops.kernels.fp8_grouped_gemm.cast_block_padded`); no
+padded copy of the user's tensors is made. Feature sizes must be multiples of 128 there (any token count and split sizes).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from typing import Optional
 import torch
 
 from ..grad import deliver_weight_grad
-from ..kernels.fp8_grouped_gemm import fp8_grouped_mm, fp8_grouped_wgrad, pad_groups
+from ..kernels.fp8_grouped_gemm import cast_block_padded, fp8_grouped_mm, fp8_grouped_wgrad
 from ..kernels.grouped_gemm import grouped_bias_grad, grouped_gemm_wgrad
 from ..quantization.casting import cached_weight, quantize
 from ..quantization.recipes import Float8BlockScaling, current_recipe
+from ..quantization.tensor import Float8Tensor
 
 
 FP8_WGRAD_MIN_ROWS = 0
@@ -55,12 +57,17 @@ def grouped_recipe():
     return current_recipe()
 
 
-def _colwise(x2d: torch.Tensor, splits: torch.Tensor, recipe, role: str, q, owner):
-    """The column-wise FP8 copy the weight gradient reads: from the cast ``q`` (per tensor), or a
-    cast of the group-padded layout (block scaling: 1x128 tiles inside one group)."""
-    if not isinstance(recipe, Float8BlockScaling):
-        return q.colwise
-    return quantize(pad_groups(x2d, splits), recipe, role, transposed=True, owner=owner).colwise
+def _cast(x2d: torch.Tensor, splits: torch.Tensor, recipe, role: str, colwise: bool, owner):
+    """``x2d`` cast for the grouped GEMMs: ``(its row-wise Float8Tensor, the column-wise copy the
+    weight gradient reads or (None, None))``. Per tensor: one cast writes both. Block scaling: the
+    column-wise copy is cast in :func:`~fusible_ops.kernels.fp8_grouped_gemm.pad_groups`' layout
+    (1x128 tiles inside one group), by the same single pass over ``x2d``
+    (:func:`~fusible_ops.kernels.fp8_grouped_gemm.cast_block_padded`)."""
+    if colwise and isinstance(recipe, Float8BlockScaling):
+        q, s, qt, st = cast_block_padded(x2d, splits, recipe.power_of_two_scales)
+        return Float8Tensor(q, s, x2d.dtype, x2d.shape, scaling="1x128", recipe=recipe), (qt, st)
+    q = quantize(x2d, recipe, role, transposed=colwise, owner=owner)
+    return q, (q.colwise if colwise else (None, None))
 
 
 def _check_block_dims(op, recipe) -> None:
@@ -83,7 +90,7 @@ def fp8_grouped_forward(op, ctx, x2d: torch.Tensor, splits: torch.Tensor, recipe
     _check_block_dims(op, recipe)
     block = isinstance(recipe, Float8BlockScaling)
     hp_wgrad = wg and not block and x2d.shape[0] < FP8_WGRAD_MIN_ROWS * op.num_groups
-    xq = quantize(x2d, recipe, "input", transposed=wg and not block and not hp_wgrad, owner=owner)
+    xq, xt = _cast(x2d, splits, recipe, "input", wg and not hp_wgrad, owner)
     wq = cached_weight(owner, w, recipe, transposed=dg, grouped=True)
     y = fp8_grouped_mm(xq.rowwise, wq.rowwise, splits, x2d.dtype, op.bias)
     if train:
@@ -92,8 +99,6 @@ def fp8_grouped_forward(op, ctx, x2d: torch.Tensor, splits: torch.Tensor, recipe
         ctx.fp8 = recipe
         if hp_wgrad:  # (the input itself; the second slot unused)
             xt = (x2d, None)
-        else:
-            xt = _colwise(x2d, splits, recipe, "input", xq, owner) if wg else (None, None)
         wt = wq.colwise if dg else (None, None)
         ctx.save_for_backward(*xt, *wt, splits)
     return y
@@ -105,19 +110,16 @@ def fp8_grouped_backward(op, ctx, dy2d: torch.Tensor) -> tuple:
     wg = ctx.weight_grad
     w = op.weight
     owner = op.param_owner("weight")
-    block = isinstance(ctx.fp8, Float8BlockScaling)
     hp = wg and ctx.hp_wgrad
     dx = None
     if ctx.input_requires_grad or (wg and not hp):  # (an FP8 output gradient serves them)
-        dyq = quantize(dy2d, ctx.fp8, "grad_output", transposed=wg and not block and not hp, owner=owner)
+        dyq, dy_t = _cast(dy2d, splits, ctx.fp8, "grad_output", wg and not hp, owner)
     if ctx.input_requires_grad:
         dx = fp8_grouped_mm(dyq.rowwise, (wt, wt_inv), splits, dy2d.dtype)
     dw: Optional[torch.Tensor] = None
     if hp:  # (16-bit weight gradient from the saved input: few rows per expert)
         dw = deliver_weight_grad(op, w, lambda out, acc: _hp_wgrad(dy2d, xt, splits, w, out, acc))
     elif wg:
-        dy_t = _colwise(dy2d, splits, ctx.fp8, "grad_output", dyq, owner)
-
         def compute(out, acc):
             return fp8_grouped_wgrad(dy_t, (xt, xt_inv), splits, out=out, accumulate=acc, out_dtype=w.dtype)
 
