@@ -38,7 +38,7 @@ import torch
 from ..grad import deliver_weight_grad
 from ..kernels.fp8_grouped_gemm import cast_block_padded, fp8_grouped_mm, fp8_grouped_wgrad
 from ..kernels.grouped_gemm import grouped_bias_grad, grouped_gemm_wgrad
-from ..quantization.casting import cached_weight, quantize
+from ..quantization.casting import GradOutputQuantizer, InputQuantizer, cached_weight, quantize, with_colwise
 from ..quantization.recipes import Float8BlockScaling, current_recipe
 from ..quantization.tensor import Float8Tensor
 
@@ -55,6 +55,30 @@ gradients below 512 rows per expert). Raise it where a shape measures otherwise.
 def grouped_recipe():
     """The active FP8 recipe (grouped linears run every recipe in FP8), or None."""
     return current_recipe()
+
+
+def grouped_quantizer(op, role: str):
+    """The quantizer a producer next to ``op`` (a GroupedLinear) uses to write ``op``'s input
+    (``role="input"``) or output gradient (``"grad_output"``) in FP8 itself, its amax taken in
+    its own pass (see :class:`~fusible_ops.quantization.InputQuantizer`); None where ``op`` wants
+    the 16-bit tensor: no per-tensor recipe (block scaling casts the weight gradient's copy from
+    the group-padded layout), :data:`FP8_WGRAD_MIN_ROWS` > 0 (the 16-bit weight gradient may
+    read it), or, for the output gradient, a bias (its gradient sums the 16-bit rows)."""
+    recipe = grouped_recipe()
+    if recipe is None or isinstance(recipe, Float8BlockScaling) or FP8_WGRAD_MIN_ROWS > 0:
+        return None
+    if role == "input":
+        return InputQuantizer(recipe, op)
+    return None if op.bias is not None else GradOutputQuantizer(recipe, op)
+
+
+def _fp8_operand(t: torch.Tensor, block: bool):
+    """``t`` as a per-tensor Float8Tensor the grouped kernels read as is, or None (then the
+    16-bit values: a plain tensor, or a Float8Tensor of other scaling, dequantized)."""
+    if isinstance(t, Float8Tensor):
+        if not block and t.scaling == "tensor":
+            return t
+    return None
 
 
 def _cast(x2d: torch.Tensor, splits: torch.Tensor, recipe, role: str, colwise: bool, owner):
@@ -89,8 +113,15 @@ def fp8_grouped_forward(op, ctx, x2d: torch.Tensor, splits: torch.Tensor, recipe
     dg = train and ctx.input_requires_grad
     _check_block_dims(op, recipe)
     block = isinstance(recipe, Float8BlockScaling)
-    hp_wgrad = wg and not block and x2d.shape[0] < FP8_WGRAD_MIN_ROWS * op.num_groups
-    xq, xt = _cast(x2d, splits, recipe, "input", wg and not hp_wgrad, owner)
+    xq = _fp8_operand(x2d, block)  # (an FP8 input from the producer before: its FP8 weight gradient)
+    if xq is None and isinstance(x2d, Float8Tensor):
+        x2d = x2d.dequantize()
+    hp_wgrad = wg and not block and xq is None and x2d.shape[0] < FP8_WGRAD_MIN_ROWS * op.num_groups
+    if xq is not None:
+        xq = with_colwise(xq) if wg else xq
+        xt = xq.colwise if wg else (None, None)
+    else:
+        xq, xt = _cast(x2d, splits, recipe, "input", wg and not hp_wgrad, owner)
     wq = cached_weight(owner, w, recipe, transposed=dg, grouped=True)
     y = fp8_grouped_mm(xq.rowwise, wq.rowwise, splits, x2d.dtype, op.bias)
     if train:
@@ -112,7 +143,16 @@ def fp8_grouped_backward(op, ctx, dy2d: torch.Tensor) -> tuple:
     owner = op.param_owner("weight")
     hp = wg and ctx.hp_wgrad
     dx = None
-    if ctx.input_requires_grad or (wg and not hp):  # (an FP8 output gradient serves them)
+    block = isinstance(ctx.fp8, Float8BlockScaling)
+    dyq = _fp8_operand(dy2d, block)  # (from the producer after: the activation's backward)
+    if dyq is not None and (hp or ctx.bias_grad):  # (these read the 16-bit rows: not handed off so)
+        dyq = None
+    if isinstance(dy2d, Float8Tensor) and dyq is None:
+        dy2d = dy2d.dequantize()
+    if dyq is not None:
+        dyq = with_colwise(dyq) if wg else dyq
+        dy_t = dyq.colwise if wg else (None, None)
+    elif ctx.input_requires_grad or (wg and not hp):  # (an FP8 output gradient serves them)
         dyq, dy_t = _cast(dy2d, splits, ctx.fp8, "grad_output", wg and not hp, owner)
     if ctx.input_requires_grad:
         dx = fp8_grouped_mm(dyq.rowwise, (wt, wt_inv), splits, dy2d.dtype)
@@ -134,4 +174,4 @@ def _hp_wgrad(dy2d, x2d, splits, w, out, accumulate):
     return grouped_gemm_wgrad(dy2d, x2d.to(dy2d.dtype), splits, out=out, accumulate=accumulate)
 
 
-__all__ = ["FP8_WGRAD_MIN_ROWS", "fp8_grouped_backward", "fp8_grouped_forward", "grouped_recipe"]
+__all__ = ["FP8_WGRAD_MIN_ROWS", "fp8_grouped_backward", "fp8_grouped_forward", "grouped_quantizer", "grouped_recipe"]
