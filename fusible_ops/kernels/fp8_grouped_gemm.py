@@ -264,7 +264,8 @@ if HAS_TRITON:
     # epilogue. H200, 64 experts of 256 rows, FC1 (N=2816, K=2048), bf16 out, harness: 0.350 ms
     # (1040 us with only the first six: one CTA per SM at 4 stages). The group edges as masked TMA
     # chunks (_wgrad_edge) keep these configs from spilling; with masked pointer loads at the edges
-    # the same configs spilled 290-1460 B (offline compile) and took 0.52-0.67 ms.
+    # the same configs spilled (offline compiles: 304-708 B in 8 of 11 with Triton 3.6, 290-1460 B
+    # in 9 with 3.9) and took 0.52-0.67 ms.
     _WG_CONFIGS = [wgrad_config(128, 256, 128, 8, 3), wgrad_config(128, 256, 64, 8, 4),
                    wgrad_config(128, 128, 128, 8, 4), wgrad_config(128, 128, 128, 4, 4),
                    wgrad_config(128, 128, 64, 4, 4), wgrad_config(64, 64, 64, 4, 3),
