@@ -4,9 +4,10 @@ W[g]``) and ``wgrad`` (``dW[g] = dy_g.T @ x_g``).
 
 Shapes: FC1 of the 8-expert MLP (T=16384 tokens, in 4096, out 2 x 7168, E=8, uniform routing), of
 the 64-expert MLP (16384 tokens, in 2048, out 2 x 1408, E=64: 256 rows per expert, a short
-reduction for the weight gradient; see :data:`~fusible_ops.ops.fp8_grouped.FP8_WGRAD_MIN_ROWS`) and of the fine-grained MoE layer (T*k = 196608 rows, in 1536, out 2 x 256, E=128). Variants: ``fused``
-(ours: :mod:`fusible_ops.kernels.grouped_gemm`, one persistent Triton launch) and ``grouped_mm``
-(``torch._grouped_mm``, the baseline). Work: ``2 M N K`` FLOPs against the dense bf16 matmul
+reduction for the weight gradient; see :data:`~fusible_ops.ops.fp8_grouped.FP8_WGRAD_MIN_ROWS`)
+and of the fine-grained MoE layer (T*k = 196608 rows, in 1536, out 2 x 256, E=128). Variants:
+``fused`` (ours: :mod:`fusible_ops.kernels.grouped_gemm`, one persistent Triton launch) and
+``grouped_mm`` (``torch._grouped_mm``, the baseline). Work: ``2 M N K`` FLOPs against the dense bf16 matmul
 ceiling of the run.
 
 FP8 variants (on GPUs with FP8 tensor cores), E4M3 operands cast before the timed call (the GEMM

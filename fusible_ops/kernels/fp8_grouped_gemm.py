@@ -51,8 +51,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .persistent import (group_rows, mainloop, mn_config, operand_descs, tile_coords, tile_space, wgrad_config,
-                             wgrad_epilogue, wgrad_out_desc, wgrad_schedule, wgrad_tile)
+    from .persistent import (group_table, mainloop, mn_config, operand_descs, pick, tile_coords, tile_space,
+                             wgrad_config, wgrad_epilogue, wgrad_out_desc, wgrad_schedule, wgrad_tile)
 
     @triton.jit
     def _fp8_ggemm_kernel(
@@ -123,15 +123,16 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _padded_group_rows(split_ptr, g, G, MP, G_P2: tl.constexpr):
-        """(row start, rows) of group ``g`` in the layout of :func:`pad_groups` (each group starts on
-        a multiple of 128 rows), clamped to the MP rows there are (bad split sizes read nothing
-        out of bounds; they are reported by the device-side split check). 32-bit: TMA offsets."""
+    def _padded_group_table(split_ptr, G, MP, G_P2: tl.constexpr):
+        """:func:`group_table` of the layout of :func:`pad_groups` (each group starts on a multiple
+        of 128 rows): per-group (index, row start, rows) as [G_P2] int32 vectors, clamped to the
+        MP rows there are (bad split sizes read nothing out of bounds; they are reported by the
+        device-side split check)."""
         gi = tl.arange(0, G_P2)
         m = tl.maximum(tl.load(split_ptr + gi, mask=gi < G, other=0), 0)
-        r0 = tl.minimum(tl.sum(tl.where(gi < g, (m + 127) // 128 * 128, 0), 0), MP)
-        mg = tl.minimum(tl.sum(tl.where(gi == g, m, 0), 0), MP - r0)
-        return r0.to(tl.int32), mg.to(tl.int32)
+        padded = (m + 127) // 128 * 128
+        start = tl.minimum(tl.cumsum(padded, 0) - padded, MP)
+        return gi, start.to(tl.int32), tl.minimum(m, MP - start).to(tl.int32)
 
     @triton.jit
     def _wgrad_block_loop(acc, at_ptr, bt_ptr, a_desc, b_desc, sat_ptr, sbt_ptr, r0, mg, n0, k0, offs_n, offs_k,
@@ -200,17 +201,21 @@ if HAS_TRITON:
             ae_desc = at_ptr
             be_desc = bt_ptr
         o_desc = wgrad_out_desc(out_ptr, G, N, K, s_og, s_on, OUT_TMA, TMA_STORE, BN, BK)
-        if not BLOCK:
+        if BLOCK:
+            gi, start, m = _padded_group_table(split_ptr, G, M, G_P2)
+        else:
+            gi, start, m = group_table(split_ptr, G, M, G_P2)
             scale = tl.load(sa_ptr).to(tl.float32) * tl.load(sb_ptr).to(tl.float32)
         for t in range(first, total, step):
             g, n0, k0, offs_n, offs_k, nmask, kmask = wgrad_tile(t, N, K, BN, BK, GROUP_N)
+            sel = gi == g
+            r0 = pick(start, sel)
+            mg = pick(m, sel)
             acc = tl.zeros((BN, BK), dtype=tl.float32)
             if BLOCK:
-                r0, mg = _padded_group_rows(split_ptr, g, G, M, G_P2)
                 acc = _wgrad_block_loop(acc, at_ptr, bt_ptr, a_desc, b_desc, sa_ptr, sb_ptr, r0, mg, n0, k0, offs_n,
                                         offs_k, nmask, kmask, s_at, s_bt, s_san, s_sar, s_sbk, s_sbr, USE_TMA, PREC, BR)
             else:
-                r0, mg = group_rows(split_ptr, g, G, M, G_P2)
                 acc = _wgrad_tensor_loop(acc, at_ptr, bt_ptr, a_desc, b_desc, ae_desc, be_desc, r0, mg, n0, k0, offs_n,
                                          offs_k, nmask, kmask, s_at, s_bt, USE_TMA, PREC, BR)
                 acc = acc * scale
