@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from .op import BasicOperation
+from .op import BasicOperation, reads_fp8
 from .rules import Decline, Group
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ class Plan:
     unwatched: bool = False  # made while tracing: its first eager native call watches the weights
 
     def __post_init__(self) -> None:
+        self._drop_unread_quantizers()
         # What every call reads, computed once per plan (the host path stays short).
         self.ctx_flags = [(self.requires_grad, i, w) for i, w in zip(self.input_requires_grad,
                                                                       self.weight_requires_grad)]
@@ -57,6 +58,20 @@ class Plan:
         self.no_param_grads = [(None,) * c for c in self.param_counts]
         self.keep_all = all(self.extra_keep) and all(self.param_keep)  # (backward returns every gradient as is)
 
+    def _drop_unread_quantizers(self) -> None:
+        """A producer writes FP8 for the op after it (or, in backward, for the op before it) only
+        where that op's step reads FP8 as is (:func:`~fusible_ops.op.reads_fp8`): a fused step
+        that would dequantize it again gets the producer's plain output."""
+        n = len(self.op_kwargs)
+        for g in self.forward:
+            i = g.indices[0]
+            if i > 0 and not reads_fp8(g.op, g.op.basic_ops[0]):
+                self.op_kwargs[i - 1]["next_op_input_quantizer"] = None
+        for g in self.backward:
+            j = g.indices[-1] + 1
+            if j < n and not reads_fp8(g.op, g.op.basic_ops[-1]):
+                self.op_kwargs[j]["prev_op_grad_output_quantizer"] = None
+
     def compile_steps(self, ops: Sequence[BasicOperation]) -> None:
         """The steps as the fuser's autograd function runs them (rebuilt when the steps change).
 
@@ -64,22 +79,22 @@ class Plan:
         direct, plain_in)``. ``direct``: one basic op with no extra inputs or outputs that keeps
         :class:`BasicOperation`'s ``fuser_forward`` / ``fuser_backward``, so the step calls its
         ``op_forward`` (with the non-None kwargs, found here once) / ``op_backward`` itself.
-        ``plain_in``: the basic op the step starts with (forward: its first, backward: its last)
-        reads plain tensors, so a Float8Tensor is dequantized for it."""
+        ``plain_in``: the step reads plain tensors (:func:`~fusible_ops.op.reads_fp8` is false),
+        so a Float8Tensor is dequantized for it."""
         def direct(op, idx, hook):
             return (len(idx) == 1 and isinstance(op, BasicOperation) and not op.num_extra_inputs
                     and not op.num_extra_outputs and getattr(type(op), hook) is getattr(BasicOperation, hook))
 
-        def plain_in(i):
-            return not getattr(ops[i], "accepts_fp8", False)
+        def plain_in(op, i):
+            return not reads_fp8(op, ops[i])
 
         fwd = []
         for op, idx, kws in self.forward_steps:
             if direct(op, idx, "fuser_forward"):
                 fwd.append((op, idx[0], {k: v for k, v in kws[0].items() if v is not None}, True,
-                            plain_in(idx[0])))
+                            plain_in(op, idx[0])))
             else:
-                fwd.append((op, idx, kws, False, plain_in(idx[0])))
+                fwd.append((op, idx, kws, False, plain_in(op, idx[0])))
         bwd = []
         for op, idx, gq in self.backward_steps:
             # (a basic op that writes a preceding FP8 linear's gradient overrides fuser_backward
@@ -87,7 +102,7 @@ class Plan:
             ok = gq is None and (direct(op, idx, "fuser_backward") or (
                 len(idx) == 1 and isinstance(op, BasicOperation) and not op.num_extra_inputs
                 and not op.num_extra_outputs and getattr(op, "writes_fp8_grad", False)))
-            bwd.append((op, idx[0] if ok else idx, gq, ok, plain_in(idx[-1])))
+            bwd.append((op, idx[0] if ok else idx, gq, ok, plain_in(op, idx[-1])))
         self.forward_program, self.backward_program = fwd, bwd
 
 

@@ -361,6 +361,10 @@ class FusedOperation(FusibleOperation):
     parameters or state-dict entries.
     """
 
+    # Whether this op reads a Float8Tensor input / output gradient as is (see :func:`reads_fp8`);
+    # None: as the basic op it starts with (forward) or ends with (backward) does.
+    accepts_fp8: Optional[bool] = None
+
     def __init__(self, basic_ops) -> None:
         super().__init__()
         ops = tuple(basic_ops)
@@ -384,3 +388,12 @@ class FusedOperation(FusibleOperation):
     def __repr__(self) -> str:
         inner = ", ".join(type(op).__name__ for op in self.basic_ops)
         return f"{type(self).__name__}({inner})"
+
+
+def reads_fp8(step_op: FusibleOperation, basic_op: BasicOperation) -> bool:
+    """Whether a fuser step running ``step_op`` reads a Float8Tensor as is (else the fuser
+    dequantizes it first, and a producer before it is not asked to write FP8): a fused op's own
+    ``accepts_fp8`` where it sets one, else ``basic_op``'s (the basic op the step starts with in
+    forward, ends with in backward)."""
+    own = step_op.accepts_fp8 if isinstance(step_op, FusedOperation) else None
+    return bool(getattr(basic_op, "accepts_fp8", False) if own is None else own)

@@ -303,9 +303,92 @@ def test_fused_fp8_mlp_takes_two_amaxes_in_its_kernels():
             assert [r["rule"] for r in seq.fusion_plan()] == [None, None, None]
     finally:
         mp.undo()
-    assert fused == [(128, 64), (128, 64)] and len(calls) == 4, (fused, calls)
+    # unfused: the activation takes FC2's input amax in its pass (the hand-off); FC1 has a bias,
+    # so its output gradient (whose bias gradient reads the 16-bit rows) is cast standalone
+    assert fused == [(128, 64), (128, 64)] and len(calls) == 3, (fused, calls)
     torch.testing.assert_close(y, yu, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dx, dxu, rtol=1e-5, atol=1e-5)
+
+
+def _amaxes(fn):
+    """``fn()`` and the shapes of the standalone amax passes it ran."""
+    calls, real = [], Q.tensor_amax
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Q, "tensor_amax", lambda t: (calls.append(tuple(t.shape)), real(t))[1])
+    try:
+        return fn(), calls
+    finally:
+        mp.undo()
+
+
+def _no_handoff(mp):
+    mp.setattr(fo.GroupedLinear, "input_quantizer", lambda self: None)
+    mp.setattr(fo.GroupedLinear, "grad_output_quantizer", lambda self: None)
+
+
+@pytest.mark.parametrize("name", ["current", "delayed"])
+def test_unfused_fp8_mlp_hands_its_casts_to_the_activation(name, monkeypatch):
+    """Unfused FC1 -> SwiGLU -> FC2 (bias-free) under a per-tensor recipe: the activation's forward
+    takes the amax of FC2's input and its backward that of FC1's output gradient, so only x and dy
+    get standalone amax passes; FC2 reads the activation's FP8 output as is. Bit-identical to the
+    run without the hand-off (where every GroupedLinear casts its own operands: four passes)."""
+    recipe = RECIPES[name]
+    x, dy, splits = _inputs([40, 0, 57, 31])
+    results = []
+    for handoff in (True, False):
+        seq = _moe(accumulate_into_main_grad=True)
+        for m in (seq[0], seq[2]):
+            m.weight.main_grad = torch.zeros_like(m.weight)
+        with monkeypatch.context() as mp:
+            if not handoff:
+                _no_handoff(mp)
+            with fo.fusion_rules.disabled("grouped_mlp"):
+                (y, dx), calls = _amaxes(lambda: _run(seq, x, dy, splits, recipe, steps=2))
+                with fo.autocast(recipe=recipe):
+                    assert [r["rule"] for r in seq.fusion_plan()] == [None, None, None]
+        if name == "current":  # (FC2's input is [128, 96], FC1's output gradient [128, 192])
+            inner = [c for c in calls if c in ((128, 96), (128, 192))]
+            assert inner == ([] if handoff else [(128, 96), (128, 192)] * 2), calls
+            assert calls.count((128, 64)) == 4, calls  # x and dy, each step
+        results.append((y, dx, seq[0].weight.main_grad, seq[2].weight.main_grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fp8_input_of_3d_rows_is_read_as_is(monkeypatch):
+    """An activation before a GroupedLinear on [B, S, F] input: the FP8 output keeps its bytes
+    (viewed as rows, not dequantized by a reshape), bit-identical to the op casting it itself."""
+    recipe = RECIPES["current"]
+    g = torch.Generator().manual_seed(3)
+    x, dy = torch.randn(2, 64, 192, generator=g), torch.randn(2, 64, 64, generator=g)
+    splits = torch.tensor([50, 0, 40, 38])
+    results = []
+    for handoff in (True, False):
+        torch.manual_seed(0)
+        seq = fo.Sequential(fo.SwiGLU(), fo.GroupedLinear(4, 96, 64, bias=False))
+        with monkeypatch.context() as mp:
+            if not handoff:
+                _no_handoff(mp)
+            (y, dx), calls = _amaxes(lambda: _run(seq, x, dy, splits, recipe))
+        # (the weight's first cast [256, 96]; dy; without the hand-off also the input [128, 96])
+        assert sorted(calls) == sorted([(256, 96), (128, 64)] + ([] if handoff else [(128, 96)])), calls
+        results.append((y, dx, seq[1].weight.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_grouped_quantizer_declines_where_the_16bit_tensor_is_read(monkeypatch):
+    """No hand-off under block scaling, with FP8_WGRAD_MIN_ROWS > 0, or (output gradient) with a
+    bias; none outside autocast."""
+    plain, biased = fo.GroupedLinear(4, 64, 64, bias=False), fo.GroupedLinear(4, 64, 64)
+    assert plain.input_quantizer() is None
+    with fo.autocast(recipe=RECIPES["current"]):
+        assert plain.input_quantizer() is not None and plain.grad_output_quantizer() is not None
+        assert biased.input_quantizer() is not None and biased.grad_output_quantizer() is None
+        monkeypatch.setattr(fp8_grouped, "FP8_WGRAD_MIN_ROWS", 16)
+        assert plain.input_quantizer() is None and plain.grad_output_quantizer() is None
+    with fo.autocast(recipe=fo.Float8BlockScaling()):
+        assert plain.input_quantizer() is None and plain.grad_output_quantizer() is None
 
 
 # ---------------------------------------------------------------- block scaling

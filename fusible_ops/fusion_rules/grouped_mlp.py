@@ -42,6 +42,8 @@ class FusedGroupedMLP(FusedOperation):
     """Forward and backward of ``GroupedLinear -> GLU -> GroupedLinear`` (in FP8 under a
     per-tensor autocast recipe: :mod:`fusible_ops.fusion_rules.fp8_grouped_mlp`)."""
 
+    accepts_fp8 = False  # (casts its own FP8 operands: a Float8Tensor input or output gradient is dequantized)
+
     replayable = True  # (see FusibleOperation.replayable)
 
     def fuser_forward(self, ctxs, x, *, extra_inputs, gather=None, **kwargs):

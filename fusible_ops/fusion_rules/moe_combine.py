@@ -51,6 +51,8 @@ class GroupedLinearCombine(FusedOperation):
     recomputed from the activation's input in the backward pass that needs it). Module doc.
     Holds no state."""
 
+    accepts_fp8 = False  # (casts its own FP8 operands: a Float8Tensor input or output gradient is dequantized)
+
     @property
     def _parts(self):
         ops = self.basic_ops

@@ -64,6 +64,8 @@ def _part(t, lo: int, hi: int):
 class EPOverlapMoE(FusedOperation):
     """The chunked, overlapped expert-parallel MoE layer body (module doc). Holds no state."""
 
+    accepts_fp8 = False  # (casts its own FP8 operands: a Float8Tensor input or output gradient is dequantized)
+
     def fuser_forward(self, ctxs, x, *, extra_inputs, routing=None, **kwargs):
         dispatch, fc1, act, fc2, _ = self.basic_ops
         cd, c1, ca, c2, cc = ctxs

@@ -34,6 +34,8 @@ from .grouped_mlp import FusedGroupedMLP, check_grouped_mlp, grouped_glu_cost
 class DispatchGroupedMLP(FusedOperation):
     """``Dispatch`` + the fused grouped MLP with the gather inside FC1's kernels (module doc)."""
 
+    accepts_fp8 = False  # (casts its own FP8 operands: a Float8Tensor input or output gradient is dequantized)
+
     def __init__(self, ops) -> None:
         super().__init__(ops)
         self.__dict__["_mlp"] = FusedGroupedMLP(ops[1:])  # a fused op of the same basic ops: no state

@@ -76,9 +76,11 @@ if HAS_TRITON:
         return y.to(dtype)
 
     @triton.jit
-    def _store_t(QT, X, x, scale, rows, cols, M, N, stride_x, FMAX: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    def _store_t(QT, X, x, scale, rows, cols, M, N, stride_x, xrows, xvalid, FMAX: tl.constexpr,
+                 SOFT_ROUND: tl.constexpr):
         # The transposed copy of the fp32 tile x [R, C] at rows x cols of X [M, N]: fp8(x^T *
-        # scale) to QT [N, M], ``scale`` a scalar or one per column as a [C, 1] tile. 16-bit
+        # scale) to QT [N, M], ``scale`` a scalar or one per column as a [C, 1] tile. ``xrows``
+        # (int64) / ``xvalid``: the rows of X the tile was loaded from (``rows`` unless mapped). 16-bit
         # inputs: the tile transposed in registers (Triton moves it through shared memory). fp32
         # inputs: the tile re-loaded transposed (an L1/L2 hit), because with Triton 3.6 on sm_90
         # fp32 tiles transposed in registers (tl.trans, or fp8 bytes through transposed pointers)
@@ -87,7 +89,8 @@ if HAS_TRITON:
         r64 = rows.to(tl.int64)
         c64 = cols.to(tl.int64)
         if X.dtype.element_ty == tl.float32:
-            xt = tl.load(X + r64[None, :] * stride_x + c64[:, None], mask=mask_t, other=0.0)
+            xt = tl.load(X + xrows[None, :] * stride_x + c64[:, None], mask=(cols < N)[:, None] & xvalid[None, :],
+                         other=0.0)
         else:
             xt = tl.trans(x)
         tl.store(QT + c64[:, None] * M + r64[None, :], _to_fp8(xt, scale, FMAX, QT.dtype.element_ty, SOFT_ROUND),
@@ -136,7 +139,7 @@ if HAS_TRITON:
         q = _to_fp8(x, scale, FMAX, Q.dtype.element_ty, SOFT_ROUND)
         tl.store(Q + r64[:, None] * N + c64[None, :], q, mask=mask)
         if HAS_T:
-            _store_t(QT, X, x, scale, rows, cols, M, N, stride_x, FMAX, SOFT_ROUND)
+            _store_t(QT, X, x, scale, rows, cols, M, N, stride_x, r64, rows < M, FMAX, SOFT_ROUND)
         if HAS_AMAX:
             tl.atomic_max(AMAX, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
@@ -185,23 +188,35 @@ if HAS_TRITON:
     @triton.jit
     def _cast_block_kernel(
         X, Q, S, QT, ST,  # X [M, N]; Q [M, N]; S scale_inv; QT [N, M]; ST its scale_inv
+        MAP,  # MAPPED: int32 [M], the row of X at each row of QT's layout (-1: a zero row)
         M, N, stride_x, stride_s0, stride_s1, stride_st0, stride_st1,
         FMAX: tl.constexpr, SQUARE: tl.constexpr, POW2: tl.constexpr, HAS_T: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, MAPPED: tl.constexpr = False,
     ):
         # Program (bm, bn) loads rows bm*BLOCK_M.. and columns bn*BLOCK.. once (BLOCK_M == BLOCK
         # whenever a scale spans 128 rows: SQUARE or HAS_T). SQUARE: one scale for the tile (128x128
         # blocks), whose bytes QT takes transposed; else one scale per row (1x128), and for QT one
         # per column: a row-wise cast of the transposed tile.
+        # MAPPED (1x128 with HAS_T): M counts the rows of QT's layout; row r there is X's row
+        # MAP[r] (Q and S are written at that row) or zeros. Each 128-row block's mapped rows must
+        # be a prefix of it and consecutive in X (fp8_grouped_gemm.cast_block_padded's layout).
         tl.static_assert(BLOCK_M == BLOCK or not (SQUARE or HAS_T), "a scale spanning 128 rows needs BLOCK_M == BLOCK")
+        tl.static_assert(not MAPPED or (HAS_T and not SQUARE), "MAPPED is the 1x128 cast with its transposed copy")
         bm = tl.program_id(0)
         bn = tl.program_id(1)
         rows = bm * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = bn * BLOCK + tl.arange(0, BLOCK)
         r64 = rows.to(tl.int64)
         c64 = cols.to(tl.int64)
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        x = tl.load(X + r64[:, None] * stride_x + c64[None, :], mask=mask, other=0.0)
+        if MAPPED:
+            src = tl.load(MAP + r64, mask=rows < M, other=-1)
+            valid = src >= 0
+            xr64 = tl.where(valid, src, 0).to(tl.int64)
+        else:
+            valid = rows < M
+            xr64 = r64
+        mask = valid[:, None] & (cols < N)[None, :]
+        x = tl.load(X + xr64[:, None] * stride_x + c64[None, :], mask=mask, other=0.0)
         if SQUARE:  # the amax in the input's dtype (exact; measured faster here than in fp32)
             scale = _scale_of(tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32), FMAX, POW2)
             x = x.to(tl.float32)
@@ -211,7 +226,7 @@ if HAS_TRITON:
             tl.store(S + bm * stride_s0 + bn * stride_s1, inv)
             if HAS_T:
                 tl.store(ST + bn * stride_st0 + bm * stride_st1, inv)
-                _store_t(QT, X, x, scale, rows, cols, M, N, stride_x, FMAX, SOFT_ROUND)
+                _store_t(QT, X, x, scale, rows, cols, M, N, stride_x, xr64, valid, FMAX, SOFT_ROUND)
         elif not HAS_T:
             x = x.to(tl.float32)
             scale = _scale_of(tl.max(tl.abs(x), axis=1), FMAX, POW2)
@@ -226,13 +241,18 @@ if HAS_TRITON:
             # computed once and its inverse overwrites the amax. Q goes out before the column
             # amaxes are taken (measured 1-2% faster than both scale vectors first).
             x = x.to(tl.float32)
-            tl.store(S + r64 * stride_s0 + bn * stride_s1, tl.max(tl.abs(x), axis=1), mask=rows < M)
-            scale = _scale_once(S + bn * stride_s1, stride_s0, bm * BLOCK_M, M, FMAX, POW2, BLOCK_M)
-            tl.store(Q + r64[:, None] * N + c64[None, :], _to_fp8(x, scale[:, None], FMAX, Q.dtype.element_ty, SOFT_ROUND),
+            tl.store(S + xr64 * stride_s0 + bn * stride_s1, tl.max(tl.abs(x), axis=1), mask=valid)
+            if MAPPED:  # (the block's X rows: consecutive from its first row's, as many as are mapped)
+                first = tl.load(MAP + bm * BLOCK_M)
+                scale = _scale_once(S + bn * stride_s1, stride_s0, first, first + tl.sum(valid.to(tl.int32), axis=0),
+                                    FMAX, POW2, BLOCK_M)
+            else:
+                scale = _scale_once(S + bn * stride_s1, stride_s0, bm * BLOCK_M, M, FMAX, POW2, BLOCK_M)
+            tl.store(Q + xr64[:, None] * N + c64[None, :], _to_fp8(x, scale[:, None], FMAX, Q.dtype.element_ty, SOFT_ROUND),
                      mask=mask)
             tl.store(ST + c64 * stride_st0 + bm * stride_st1, tl.max(tl.abs(tl.trans(x)), axis=1), mask=cols < N)
             scale_t = _scale_once(ST + bm * stride_st1, stride_st0, bn * BLOCK, N, FMAX, POW2, BLOCK)
-            _store_t(QT, X, x, scale_t[:, None], rows, cols, M, N, stride_x, FMAX, SOFT_ROUND)
+            _store_t(QT, X, x, scale_t[:, None], rows, cols, M, N, stride_x, xr64, valid, FMAX, SOFT_ROUND)
 
 
 # ---- shared pieces of launchers and refs
@@ -384,9 +404,38 @@ def _cast_block_launch(x2, square, pow2, transposed, dtype):
         t_args = (qt, st) if transposed else (q, s)
         bm, warps = BLOCK_CFG[square, transposed]
         _cast_block_kernel[(cdiv(m, bm), cdiv(k, BLOCK))](
-            x2, q, s, *t_args, m, k, x2.stride(0), s.stride(0), s.stride(1), t_args[1].stride(0),
+            x2, q, s, *t_args, x2, m, k, x2.stride(0), s.stride(0), s.stride(1), t_args[1].stride(0),
             t_args[1].stride(1), FMAX=_FMAX[dtype], SQUARE=square, POW2=pow2, HAS_T=transposed, SOFT_ROUND=interpreter_enabled(), BLOCK=BLOCK,
             BLOCK_M=bm, num_warps=warps)
+    return q, s, qt, st
+
+
+def _cast_block_mapped_launch(x2, rowmap, pow2, dtype):
+    m, k = x2.shape
+    mp = rowmap.shape[0]
+    q = torch.empty(m, k, dtype=dtype, device=x2.device)
+    s, _ = block_scale_buffers(m, k, False, x2.device, False)
+    qt = torch.empty(k, mp, dtype=dtype, device=x2.device)
+    st = torch.empty(cdiv(mp, BLOCK), k, device=x2.device, dtype=torch.float32).t()
+    if mp and k:
+        _cast_block_kernel[(cdiv(mp, BLOCK), cdiv(k, BLOCK))](
+            x2, q, s, qt, st, rowmap, mp, k, x2.stride(0), s.stride(0), s.stride(1), st.stride(0), st.stride(1),
+            FMAX=_FMAX[dtype], SQUARE=False, POW2=pow2, HAS_T=True, SOFT_ROUND=interpreter_enabled(), BLOCK=BLOCK,
+            BLOCK_M=BLOCK, MAPPED=True, num_warps=BLOCK_CFG[False, True][1])
+    return q, s, qt, st
+
+
+def cast_block_mapped_ref(x: torch.Tensor, rowmap: torch.Tensor, pow2: bool = False,
+                          dtype: torch.dtype = torch.float8_e4m3fn):
+    """Pure-torch twin of :func:`cast_block_mapped`: the 1x128 cast of ``x`` row-wise, and the
+    transposed copy of the [len(rowmap), K] layout whose row r is ``x[rowmap[r]]`` (zeros where
+    ``rowmap[r] < 0``)."""
+    x2 = _rows(x)
+    q, s, _, _ = cast_block_ref(x2, False, pow2, False, dtype)
+    xp = x2.new_zeros(rowmap.shape[0], x2.shape[1])
+    keep = rowmap >= 0
+    xp[keep] = x2[rowmap[keep].long()]
+    _, _, qt, st = cast_block_ref(xp, False, pow2, True, dtype)
     return q, s, qt, st
 
 
@@ -456,6 +505,20 @@ def cast_block(x: torch.Tensor, square: bool, pow2: bool = False, transposed: bo
     return _dispatch("cast_block", dtype, x, _cast_block_launch, cast_block_ref, square, pow2, transposed, dtype)
 
 
+def cast_block_mapped(x: torch.Tensor, rowmap: torch.Tensor, pow2: bool = False,
+                      dtype: torch.dtype = torch.float8_e4m3fn):
+    """1x128 blockwise FP8 cast of ``x`` [M, K] in one pass, with the transposed copy of another
+    row layout: ``rowmap`` (int32 [Mp]) gives the row of ``x`` at each of its rows, -1 for a
+    zero row; each 128-row block's mapped rows must be a prefix of the block and consecutive in
+    ``x`` (every row of ``x`` at most once). Returns ``(q [M, K], scale_inv, qt [K, Mp],
+    scale_inv_t)`` in the layouts of :func:`block_scale_buffers` (``qt``'s as for an [Mp, K]
+    input). Serves the block-scaled grouped weight gradient (groups padded to 128 rows)."""
+    if rowmap.dtype != torch.int32 or rowmap.dim() != 1:
+        raise TypeError(f"cast_block_mapped: rowmap must be a 1-D int32 tensor, got {rowmap.dtype} {list(rowmap.shape)}")
+    return _dispatch("cast_block_mapped", dtype, x, _cast_block_mapped_launch, cast_block_mapped_ref, rowmap, pow2,
+                     dtype)
+
+
 FP8_MAX_OF = _FMAX  # fp8 dtype -> its largest finite value
 
 
@@ -470,5 +533,6 @@ def fp8_epilogue_ref(y: torch.Tensor, amax: torch.Tensor, scale: Optional[torch.
     return cast_tensor_ref(y, scale, dtype, False, amax)[0]
 
 
-__all__ = ["BLOCK", "FP8_MAX_OF", "fp8_epilogue_ref", "block_scale_buffers", "cast_block", "cast_block_ref", "cast_tensor", "cast_tensor_ref",
+__all__ = ["BLOCK", "FP8_MAX_OF", "fp8_epilogue_ref", "block_scale_buffers", "cast_block", "cast_block_mapped",
+           "cast_block_mapped_ref", "cast_block_ref", "cast_tensor", "cast_tensor_ref",
            "scale_from_amax_ref", "tensor_amax", "delayed_update", "delayed_update_ref"]

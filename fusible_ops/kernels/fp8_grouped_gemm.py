@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from . import HAS_TRITON, use_triton
+from .fp8_cast import cast_block_mapped
 from .fp8_gemm import fp8_capable
 from .grouped_gemm import grouped_gemm_fwd_ref, grouped_gemm_wgrad_ref
 from .launch import TunedKernel, cdiv, dot_precision, kernel_op
@@ -50,8 +51,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .persistent import (group_rows, mainloop, mn_config, operand_descs, tile_coords, tile_space, wgrad_config,
-                             wgrad_epilogue, wgrad_out_desc, wgrad_schedule, wgrad_tile)
+    from .persistent import (group_table, mainloop, mn_config, operand_descs, pick, tile_coords, tile_space,
+                             wgrad_config, wgrad_epilogue, wgrad_out_desc, wgrad_schedule, wgrad_tile)
 
     @triton.jit
     def _fp8_ggemm_kernel(
@@ -122,15 +123,16 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _padded_group_rows(split_ptr, g, G, MP, G_P2: tl.constexpr):
-        """(row start, rows) of group ``g`` in the layout of :func:`pad_groups` (each group starts on
-        a multiple of 128 rows), clamped to the MP rows there are (bad split sizes read nothing
-        out of bounds; they are reported by the device-side split check). 32-bit: TMA offsets."""
+    def _padded_group_table(split_ptr, G, MP, G_P2: tl.constexpr):
+        """:func:`group_table` of the layout of :func:`pad_groups` (each group starts on a multiple
+        of 128 rows): per-group (index, row start, rows) as [G_P2] int32 vectors, clamped to the
+        MP rows there are (bad split sizes read nothing out of bounds; they are reported by the
+        device-side split check)."""
         gi = tl.arange(0, G_P2)
         m = tl.maximum(tl.load(split_ptr + gi, mask=gi < G, other=0), 0)
-        r0 = tl.minimum(tl.sum(tl.where(gi < g, (m + 127) // 128 * 128, 0), 0), MP)
-        mg = tl.minimum(tl.sum(tl.where(gi == g, m, 0), 0), MP - r0)
-        return r0.to(tl.int32), mg.to(tl.int32)
+        padded = (m + 127) // 128 * 128
+        start = tl.minimum(tl.cumsum(padded, 0) - padded, MP)
+        return gi, start.to(tl.int32), tl.minimum(m, MP - start).to(tl.int32)
 
     @triton.jit
     def _wgrad_block_loop(acc, at_ptr, bt_ptr, a_desc, b_desc, sat_ptr, sbt_ptr, r0, mg, n0, k0, offs_n, offs_k,
@@ -199,17 +201,21 @@ if HAS_TRITON:
             ae_desc = at_ptr
             be_desc = bt_ptr
         o_desc = wgrad_out_desc(out_ptr, G, N, K, s_og, s_on, OUT_TMA, TMA_STORE, BN, BK)
-        if not BLOCK:
+        if BLOCK:
+            gi, start, m = _padded_group_table(split_ptr, G, M, G_P2)
+        else:
+            gi, start, m = group_table(split_ptr, G, M, G_P2)
             scale = tl.load(sa_ptr).to(tl.float32) * tl.load(sb_ptr).to(tl.float32)
         for t in range(first, total, step):
             g, n0, k0, offs_n, offs_k, nmask, kmask = wgrad_tile(t, N, K, BN, BK, GROUP_N)
+            sel = gi == g
+            r0 = pick(start, sel)
+            mg = pick(m, sel)
             acc = tl.zeros((BN, BK), dtype=tl.float32)
             if BLOCK:
-                r0, mg = _padded_group_rows(split_ptr, g, G, M, G_P2)
                 acc = _wgrad_block_loop(acc, at_ptr, bt_ptr, a_desc, b_desc, sa_ptr, sb_ptr, r0, mg, n0, k0, offs_n,
                                         offs_k, nmask, kmask, s_at, s_bt, s_san, s_sar, s_sbk, s_sbr, USE_TMA, PREC, BR)
             else:
-                r0, mg = group_rows(split_ptr, g, G, M, G_P2)
                 acc = _wgrad_tensor_loop(acc, at_ptr, bt_ptr, a_desc, b_desc, ae_desc, be_desc, r0, mg, n0, k0, offs_n,
                                          offs_k, nmask, kmask, s_at, s_bt, USE_TMA, PREC, BR)
                 acc = acc * scale
@@ -299,14 +305,22 @@ def _launch_mm(a, sa, b, sb, bias, split, out_dtype):
     if M == 0 or N == 0:
         return c
     has_bias = bias is not None
+    bias_arg = bias if has_bias else c
     block = sa.dim() == 2  # 1x128 tiles [M, KB] (and 128x128 blocks [G, NB, KB])
-    sstrides = (*sa.stride(), *sb.stride()) if block else (0,) * 5
-    args = (a, b, c, sa, sb, bias if has_bias else c, split, M, N, K, G, a.stride(0), b.stride(0), b.stride(1),
-            c.stride(0), bias.stride(0) if has_bias else 0, *sstrides)
-    const = dict(HAS_BIAS=has_bias, USE_TMA=K > 0 and tma_ok(a, b), PREC=dot_precision(a.dtype), G_P2=group_p2(G),
-                 BLOCK=block)
-    (MM_BLOCK_KERNEL if block else MM_KERNEL).launch(persistent_grid(M, G, N, a.device), args, const, a.dtype,
-                                                     a.device)
+    # everything build() reads but the pointers (launch_cached: later calls skip build)
+    key = (a.shape, a.stride(), b.shape, b.stride(), c.stride(), sa.shape, sa.stride(), sb.shape, sb.stride(),
+           bias.stride() if has_bias else None, a.dtype, b.dtype, c.dtype, sa.dtype, sb.dtype, bias_arg.dtype,
+           split.dtype, a.device)
+
+    def build():
+        sstrides = (*sa.stride(), *sb.stride()) if block else (0,) * 5
+        args = (a, b, c, sa, sb, bias_arg, split, M, N, K, G, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+                bias.stride(0) if has_bias else 0, *sstrides)
+        const = dict(HAS_BIAS=has_bias, USE_TMA=K > 0 and tma_ok(a, b), PREC=dot_precision(a.dtype),
+                     G_P2=group_p2(G), BLOCK=block)
+        return args, const, persistent_grid(M, G, N, a.device)
+    (MM_BLOCK_KERNEL if block else MM_KERNEL).launch_cached(key, (a, b, c, sa, sb, bias_arg, split), build, a.dtype,
+                                                            a.device)
     return c
 
 
@@ -316,13 +330,18 @@ def _launch_wgrad(at, sa, bt, sb, split, out, accumulate):
     if G == 0 or N == 0 or K == 0:
         return out
     block = sa.dim() == 2  # padded layout, 1x128 tiles along M: [N, Mp/128], [K, Mp/128]
-    sstrides = (*sa.stride(), *sb.stride()) if block else (0,) * 4
-    args = (at, bt, out, sa, sb, split, M, N, K, G, at.stride(0), bt.stride(0), out.stride(0), out.stride(1),
-            out.stride(2), *sstrides)
-    const = dict(ACCUMULATE=accumulate, USE_TMA=M > 0 and tma_ok(at, bt), OUT_TMA=wgrad_tma_out(out, accumulate),
-                 PREC=dot_precision(at.dtype), G_P2=group_p2(G), BLOCK=block)
-    (WGRAD_BLOCK_KERNEL if block else WGRAD_KERNEL).launch(wgrad_grid(G, N, K, at.device), args, const, at.dtype,
-                                                           at.device)
+    key = (at.shape, at.stride(), bt.shape, bt.stride(), out.shape, out.stride(), sa.shape, sa.stride(), sb.shape,
+           sb.stride(), at.dtype, bt.dtype, out.dtype, sa.dtype, sb.dtype, split.dtype, at.device, accumulate)
+
+    def build():
+        sstrides = (*sa.stride(), *sb.stride()) if block else (0,) * 4
+        args = (at, bt, out, sa, sb, split, M, N, K, G, at.stride(0), bt.stride(0), out.stride(0), out.stride(1),
+                out.stride(2), *sstrides)
+        const = dict(ACCUMULATE=accumulate, USE_TMA=M > 0 and tma_ok(at, bt), OUT_TMA=wgrad_tma_out(out, accumulate),
+                     PREC=dot_precision(at.dtype), G_P2=group_p2(G), BLOCK=block)
+        return args, const, wgrad_grid(G, N, K, at.device)
+    (WGRAD_BLOCK_KERNEL if block else WGRAD_KERNEL).launch_cached(key, (at, bt, out, sa, sb, split), build, at.dtype,
+                                                                  at.device)
     return out
 
 
@@ -379,6 +398,23 @@ def pad_groups(x: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
     if M:
         out.index_copy_(0, padded_index(split_sizes, M), x)
     return out
+
+
+def padded_rowmap(split_sizes: torch.Tensor, M: int) -> torch.Tensor:
+    """int32 [padded_rows(M, G)]: the row of the M-row input at each row of :func:`pad_groups`'
+    layout, -1 for a padding row (the inverse of :func:`padded_index`). Device ops only."""
+    rowmap = torch.full((padded_rows(M, split_sizes.shape[0]),), -1, dtype=torch.int32, device=split_sizes.device)
+    if M:
+        rowmap[padded_index(split_sizes, M)] = torch.arange(M, dtype=torch.int32, device=split_sizes.device)
+    return rowmap
+
+
+def cast_block_padded(x: torch.Tensor, split_sizes: torch.Tensor, pow2: bool = False):
+    """``x`` [M, K] cast in 1x128 tiles, row-wise as is and column-wise in :func:`pad_groups`'
+    layout (the block-scaled weight gradient's operand), from one read of ``x``: ``(q, scale_inv,
+    qt [K, Mp], scale_inv_t)``, bit-identical to ``cast_block(x)`` and the transposed
+    ``cast_block(pad_groups(x, split_sizes), transposed=True)`` (no padded copy is made)."""
+    return cast_block_mapped(x, padded_rowmap(split_sizes, x.shape[0]), pow2)
 
 
 # ----------------------------------------------------------------------------- refs
@@ -498,5 +534,5 @@ def fp8_grouped_wgrad(a_t, b_t, split_sizes: torch.Tensor, out: Optional[torch.T
     return out
 
 
-__all__ = ["FP8_DTYPES", "fp8_triton_ok", "fp8_grouped_mm", "fp8_grouped_mm_ref", "fp8_grouped_wgrad",
+__all__ = ["FP8_DTYPES", "cast_block_padded", "padded_rowmap", "fp8_triton_ok", "fp8_grouped_mm", "fp8_grouped_mm_ref", "fp8_grouped_wgrad",
            "fp8_grouped_wgrad_ref", "pad_groups", "padded_index", "padded_rows"]

@@ -23,9 +23,10 @@ gradient stay in FP8.
 Per-tensor recipes: one scale per tensor (all experts' weights share one). Block scaling
 (:class:`~fusible_ops.Float8BlockScaling`): x and dy in 1x128 tiles along K, each expert's weight
 in 128x128 blocks; the weight gradient reduces over tokens, so the column-wise copies of x and dy
-are cast after :func:`~fusible_ops.kernels.fp8_grouped_gemm.pad_groups` (every group starts on a
-multiple of 128 rows): no 1x128 tile spans two experts, no row is lost, the user's tensors are
-not padded. Feature sizes must be multiples of 128 there (any token count and split sizes).
+are cast in :func:`~fusible_ops.kernels.fp8_grouped_gemm.pad_groups`' layout (every group starts
+on a multiple of 128 rows): no 1x128 tile spans two experts, no row is lost. One pass over x (or
+dy) writes both copies (:func:`~fusible_ops.kernels.fp8_grouped_gemm.cast_block_padded`); no
+padded copy of the user's tensors is made. Feature sizes must be multiples of 128 there (any token count and split sizes).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from typing import Optional
 import torch
 
 from ..grad import deliver_weight_grad
-from ..kernels.fp8_grouped_gemm import fp8_grouped_mm, fp8_grouped_wgrad, pad_groups
+from ..kernels.fp8_grouped_gemm import cast_block_padded, fp8_grouped_mm, fp8_grouped_wgrad
 from ..kernels.grouped_gemm import grouped_bias_grad, grouped_gemm_wgrad
-from ..quantization.casting import cached_weight, quantize
+from ..quantization.casting import GradOutputQuantizer, InputQuantizer, cached_weight, quantize, with_colwise
 from ..quantization.recipes import Float8BlockScaling, current_recipe
+from ..quantization.tensor import Float8Tensor
 
 
 FP8_WGRAD_MIN_ROWS = 0
@@ -55,12 +57,41 @@ def grouped_recipe():
     return current_recipe()
 
 
-def _colwise(x2d: torch.Tensor, splits: torch.Tensor, recipe, role: str, q, owner):
-    """The column-wise FP8 copy the weight gradient reads: from the cast ``q`` (per tensor), or a
-    cast of the group-padded layout (block scaling: 1x128 tiles inside one group)."""
-    if not isinstance(recipe, Float8BlockScaling):
-        return q.colwise
-    return quantize(pad_groups(x2d, splits), recipe, role, transposed=True, owner=owner).colwise
+def grouped_quantizer(op, role: str):
+    """The quantizer a producer next to ``op`` (a GroupedLinear) uses to write ``op``'s input
+    (``role="input"``) or output gradient (``"grad_output"``) in FP8 itself, its amax taken in
+    its own pass (see :class:`~fusible_ops.quantization.InputQuantizer`); None where ``op`` wants
+    the 16-bit tensor: no per-tensor recipe (block scaling casts the weight gradient's copy from
+    the group-padded layout), :data:`FP8_WGRAD_MIN_ROWS` > 0 (the 16-bit weight gradient may
+    read it), or, for the output gradient, a bias (its gradient sums the 16-bit rows)."""
+    recipe = grouped_recipe()
+    if recipe is None or isinstance(recipe, Float8BlockScaling) or FP8_WGRAD_MIN_ROWS > 0:
+        return None
+    if role == "input":
+        return InputQuantizer(recipe, op)
+    return None if op.bias is not None else GradOutputQuantizer(recipe, op)
+
+
+def _fp8_operand(t: torch.Tensor, block: bool):
+    """``t`` as a per-tensor Float8Tensor the grouped kernels read as is, or None (then the
+    16-bit values: a plain tensor, or a Float8Tensor of other scaling, dequantized)."""
+    if isinstance(t, Float8Tensor):
+        if not block and t.scaling == "tensor":
+            return t
+    return None
+
+
+def _cast(x2d: torch.Tensor, splits: torch.Tensor, recipe, role: str, colwise: bool, owner):
+    """``x2d`` cast for the grouped GEMMs: ``(its row-wise Float8Tensor, the column-wise copy the
+    weight gradient reads or (None, None))``. Per tensor: one cast writes both. Block scaling: the
+    column-wise copy is cast in :func:`~fusible_ops.kernels.fp8_grouped_gemm.pad_groups`' layout
+    (1x128 tiles inside one group), by the same single pass over ``x2d``
+    (:func:`~fusible_ops.kernels.fp8_grouped_gemm.cast_block_padded`)."""
+    if colwise and isinstance(recipe, Float8BlockScaling):
+        q, s, qt, st = cast_block_padded(x2d, splits, recipe.power_of_two_scales)
+        return Float8Tensor(q, s, x2d.dtype, x2d.shape, scaling="1x128", recipe=recipe), (qt, st)
+    q = quantize(x2d, recipe, role, transposed=colwise, owner=owner)
+    return q, (q.colwise if colwise else (None, None))
 
 
 def _check_block_dims(op, recipe) -> None:
@@ -82,8 +113,15 @@ def fp8_grouped_forward(op, ctx, x2d: torch.Tensor, splits: torch.Tensor, recipe
     dg = train and ctx.input_requires_grad
     _check_block_dims(op, recipe)
     block = isinstance(recipe, Float8BlockScaling)
-    hp_wgrad = wg and not block and x2d.shape[0] < FP8_WGRAD_MIN_ROWS * op.num_groups
-    xq = quantize(x2d, recipe, "input", transposed=wg and not block and not hp_wgrad, owner=owner)
+    xq = _fp8_operand(x2d, block)  # (an FP8 input from the producer before: its FP8 weight gradient)
+    if xq is None and isinstance(x2d, Float8Tensor):
+        x2d = x2d.dequantize()
+    hp_wgrad = wg and not block and xq is None and x2d.shape[0] < FP8_WGRAD_MIN_ROWS * op.num_groups
+    if xq is not None:
+        xq = with_colwise(xq) if wg else xq
+        xt = xq.colwise if wg else (None, None)
+    else:
+        xq, xt = _cast(x2d, splits, recipe, "input", wg and not hp_wgrad, owner)
     wq = cached_weight(owner, w, recipe, transposed=dg, grouped=True)
     y = fp8_grouped_mm(xq.rowwise, wq.rowwise, splits, x2d.dtype, op.bias)
     if train:
@@ -92,8 +130,6 @@ def fp8_grouped_forward(op, ctx, x2d: torch.Tensor, splits: torch.Tensor, recipe
         ctx.fp8 = recipe
         if hp_wgrad:  # (the input itself; the second slot unused)
             xt = (x2d, None)
-        else:
-            xt = _colwise(x2d, splits, recipe, "input", xq, owner) if wg else (None, None)
         wt = wq.colwise if dg else (None, None)
         ctx.save_for_backward(*xt, *wt, splits)
     return y
@@ -105,19 +141,25 @@ def fp8_grouped_backward(op, ctx, dy2d: torch.Tensor) -> tuple:
     wg = ctx.weight_grad
     w = op.weight
     owner = op.param_owner("weight")
-    block = isinstance(ctx.fp8, Float8BlockScaling)
     hp = wg and ctx.hp_wgrad
     dx = None
-    if ctx.input_requires_grad or (wg and not hp):  # (an FP8 output gradient serves them)
-        dyq = quantize(dy2d, ctx.fp8, "grad_output", transposed=wg and not block and not hp, owner=owner)
+    block = isinstance(ctx.fp8, Float8BlockScaling)
+    dyq = _fp8_operand(dy2d, block)  # (from the producer after: the activation's backward)
+    if dyq is not None and (hp or ctx.bias_grad):  # (these read the 16-bit rows: not handed off so)
+        dyq = None
+    if isinstance(dy2d, Float8Tensor) and dyq is None:
+        dy2d = dy2d.dequantize()
+    if dyq is not None:
+        dyq = with_colwise(dyq) if wg else dyq
+        dy_t = dyq.colwise if wg else (None, None)
+    elif ctx.input_requires_grad or (wg and not hp):  # (an FP8 output gradient serves them)
+        dyq, dy_t = _cast(dy2d, splits, ctx.fp8, "grad_output", wg and not hp, owner)
     if ctx.input_requires_grad:
         dx = fp8_grouped_mm(dyq.rowwise, (wt, wt_inv), splits, dy2d.dtype)
     dw: Optional[torch.Tensor] = None
     if hp:  # (16-bit weight gradient from the saved input: few rows per expert)
         dw = deliver_weight_grad(op, w, lambda out, acc: _hp_wgrad(dy2d, xt, splits, w, out, acc))
     elif wg:
-        dy_t = _colwise(dy2d, splits, ctx.fp8, "grad_output", dyq, owner)
-
         def compute(out, acc):
             return fp8_grouped_wgrad(dy_t, (xt, xt_inv), splits, out=out, accumulate=acc, out_dtype=w.dtype)
 
@@ -132,4 +174,4 @@ def _hp_wgrad(dy2d, x2d, splits, w, out, accumulate):
     return grouped_gemm_wgrad(dy2d, x2d.to(dy2d.dtype), splits, out=out, accumulate=accumulate)
 
 
-__all__ = ["FP8_WGRAD_MIN_ROWS", "fp8_grouped_backward", "fp8_grouped_forward", "grouped_recipe"]
+__all__ = ["FP8_WGRAD_MIN_ROWS", "fp8_grouped_backward", "fp8_grouped_forward", "grouped_quantizer", "grouped_recipe"]

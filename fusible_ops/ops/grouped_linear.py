@@ -13,7 +13,8 @@ from ..kernels.persistent import splits_assert, splits_ok
 from ..grad import WeightGradMixin, deliver_weight_grad
 from ..op import BasicOperation
 from ..quantization.casting import FP8StateMixin
-from .fp8_grouped import fp8_grouped_backward, fp8_grouped_forward, grouped_recipe
+from ..quantization.tensor import Float8Tensor
+from .fp8_grouped import fp8_grouped_backward, fp8_grouped_forward, grouped_quantizer, grouped_recipe
 from .validation import check_input
 
 
@@ -92,6 +93,10 @@ class GroupedLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
     # (see FusibleOperation.replayable: delayed FP8 scaling and flagged weights are never replayed; a replay
     # returns the weight gradient to autograd, where delayed_wgrad()'s hooks deliver it)
     replayable = True
+    # Under a per-tensor FP8 recipe the op before (an activation, a norm) writes this op's input in
+    # FP8 with the amax from its own pass, and the op after writes its output gradient so
+    # (input_quantizer / grad_output_quantizer); the grouped GEMMs read those as they are.
+    accepts_fp8 = True
 
     def __init__(
         self,
@@ -142,11 +147,23 @@ class GroupedLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
     def _example(cls, n: int, **factory):
         return cls(3, n, 2 * n, **factory), 2 * n
 
+    def input_quantizer(self):
+        """Under a per-tensor FP8 recipe, the :class:`~fusible_ops.quantization.InputQuantizer` a
+        producer uses to write this op's input in FP8 itself (None otherwise: see
+        :func:`~fusible_ops.ops.fp8_grouped.grouped_quantizer`)."""
+        return grouped_quantizer(self, "input")
+
+    def grad_output_quantizer(self):
+        """Under a per-tensor FP8 recipe and without a bias, the
+        :class:`~fusible_ops.quantization.GradOutputQuantizer` the backward of the op after this
+        one uses to write this op's output gradient in FP8 (None otherwise)."""
+        return grouped_quantizer(self, "grad_output")
+
     # shared with fused ops ---------------------------------------------------------------
     def prepare(self, x: torch.Tensor, split_sizes) -> tuple[torch.Tensor, torch.Tensor]:
         """Validate inputs; return (x as [rows, in], split sizes as int64 on x's device)."""
         check_input(self, x, features=self.in_features, like=self.weight)
-        x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        x2d = x if x.dim() == 2 else _rows(x, self.in_features)
         splits = check_split_sizes(self, split_sizes, self.num_groups, x2d.shape[0], x.device)
         return x2d, splits
 
@@ -190,6 +207,8 @@ class GroupedLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
             y = fp8_grouped_forward(self, ctx, x2d, splits, recipe)
             ctx.input_shape = x.shape
         else:
+            if type(x2d) is Float8Tensor:  # (from a Quantize op outside autocast)
+                x2d = x2d.dequantize()
             y = self.forward_2d(x2d, splits)
             ctx.fp8 = None
             if ctx.requires_grad:
@@ -198,10 +217,11 @@ class GroupedLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
         ctx = ctxs[0]
+        dy2d = _rows(dy, self.out_features)
         if getattr(ctx, "fp8", None) is not None:
-            dx, pgrads = fp8_grouped_backward(self, ctx, dy.reshape(-1, self.out_features))
+            dx, pgrads = fp8_grouped_backward(self, ctx, dy2d)
         else:
-            dx, pgrads = self.backward_2d(ctx, dy.reshape(-1, self.out_features))
+            dx, pgrads = self.backward_2d(ctx, dy2d.dequantize() if type(dy2d) is Float8Tensor else dy2d)
         if dx is not None:
             dx = dx.reshape(ctx.input_shape)
         return dx, [pgrads], [(None,)]
@@ -213,3 +233,16 @@ class GroupedLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
             yg = xg @ self.weight[g].t()
             outs.append(yg + self.bias[g] if self.bias is not None else yg)
         return torch.cat(outs).reshape(*x.shape[:-1], self.out_features)
+
+
+def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
+    """``t`` as [rows, k]; a per-tensor Float8Tensor stays one (its bytes viewed as rows: a
+    reshape through torch would dequantize it)."""
+    if t.dim() == 2:
+        return t
+    if type(t) is Float8Tensor and t.scaling == "tensor":
+        data, inv = t.rowwise
+        colwise = t.colwise or (None, None)
+        return Float8Tensor(data.reshape(-1, k), inv, t.dtype, (t.numel() // k, k), scaling="tensor",
+                            data_t=colwise[0], scale_inv_t=colwise[1], recipe=t._recipe)
+    return t.reshape(-1, k)
