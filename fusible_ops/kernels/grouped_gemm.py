@@ -90,15 +90,12 @@ if HAS_TRITON:
     ):
         """out[g] (+)= dy_g.T @ x_g over [BN, BK] tiles (:func:`wgrad_schedule`: one per program, or
         persistent). TMA reads a group's whole BR-row chunks (descriptors over all M rows, made once
-        per program); the last partial chunk too, its rows past the group zeroed in registers (never
-        the next group's rows)."""
+        per program); the last partial chunk takes masked pointer loads (never the next group's rows)."""
         first, total, step = wgrad_schedule(N, K, G, BN, BK, PPS)
         gi, start, m = group_table(split_ptr, G, M, G_P2)
         if USE_TMA:
             dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, N], strides=[s_dym, 1], block_shape=[BR, BN])
             x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[s_xm, 1], block_shape=[BR, BK])
-            dye_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, N], strides=[s_dym, 1], block_shape=[32, BN])
-            xe_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[s_xm, 1], block_shape=[32, BK])
         o_desc = wgrad_out_desc(out_ptr, G, N, K, s_og, s_on, OUT_TMA, TMA_STORE, BN, BK)
         for t in range(first, total, step):
             g, n0, k0, offs_n, offs_k, nmask, kmask = wgrad_tile(t, N, K, BN, BK, GROUP_N)
@@ -112,15 +109,9 @@ if HAS_TRITON:
                     a = tl.trans(dy_desc.load([r0 + r, n0]))
                     b = x_desc.load([r0 + r, k0])
                     acc = tl.dot(a, b, acc, input_precision=PREC)
-                # the last partial chunk, 32 rows at a time: TMA chunks (zero-filled past M), the rows
-                # past the group zeroed in registers on both operands (pointer loads here spilled)
-                for r in range(tail, mg, 32):
-                    keep = (r + tl.arange(0, 32) < mg)[:, None]
-                    a = dye_desc.load([r0 + r, n0])
-                    b = xe_desc.load([r0 + r, k0])
-                    a = tl.where(keep, a, tl.zeros_like(a))
-                    b = tl.where(keep, b, tl.zeros_like(b))
-                    acc = tl.dot(tl.trans(a), b, acc, input_precision=PREC)
+                # the tail, 32 rows at a time (narrow pointer tensors spare the TMA loop's registers)
+                acc = _wgrad_ptr_rows(acc, dy_ptr, x_ptr, r0 + tail, mg - tail, offs_n, offs_k, nmask, kmask,
+                                      s_dym, s_dyn, s_xm, s_xk, PREC, 32)
             else:
                 acc = _wgrad_ptr_rows(acc, dy_ptr, x_ptr, r0, mg, offs_n, offs_k, nmask, kmask,
                                       s_dym, s_dyn, s_xm, s_xk, PREC, BR)
