@@ -51,7 +51,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .persistent import (group_table, mainloop, mn_config, operand_descs, pick, tile_coords, tile_space,
+    from .persistent import (group_table, mainloop, mn_config, operand_descs, tile_coords, tile_space,
                              wgrad_config, wgrad_epilogue, wgrad_out_desc, wgrad_schedule, wgrad_tile)
 
     @triton.jit
@@ -222,10 +222,7 @@ if HAS_TRITON:
             gi, start, m = group_table(split_ptr, G, M, G_P2)
             scale = tl.load(sa_ptr).to(tl.float32) * tl.load(sb_ptr).to(tl.float32)
         for t in range(first, total, step):
-            g, n0, k0, offs_n, offs_k, nmask, kmask = wgrad_tile(t, N, K, BN, BK, GROUP_N)
-            sel = gi == g
-            r0 = pick(start, sel)
-            mg = pick(m, sel)
+            g, r0, mg, n0, k0, offs_n, offs_k, nmask, kmask = wgrad_tile(t, gi, start, m, N, K, BN, BK, GROUP_N)
             acc = tl.zeros((BN, BK), dtype=tl.float32)
             if BLOCK:
                 acc = _wgrad_block_loop(acc, at_ptr, bt_ptr, a_desc, b_desc, sa_ptr, sb_ptr, r0, mg, n0, k0, offs_n,

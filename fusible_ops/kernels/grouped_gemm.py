@@ -27,7 +27,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .persistent import (group_rows, group_table, mainloop, mn_config, operand_descs, pick, tile_coords, tile_space,
+    from .persistent import (group_rows, group_table, mainloop, mn_config, operand_descs, tile_coords, tile_space,
                              wgrad_config, wgrad_epilogue, wgrad_out_desc, wgrad_schedule, wgrad_tile)
 
     @triton.jit
@@ -106,10 +106,7 @@ if HAS_TRITON:
             x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[s_xm, 1], block_shape=[BR, BK])
         o_desc = wgrad_out_desc(out_ptr, G, N, K, s_og, s_on, OUT_TMA, TMA_STORE, BN, BK)
         for t in range(first, total, step):
-            g, n0, k0, offs_n, offs_k, nmask, kmask = wgrad_tile(t, N, K, BN, BK, GROUP_N)
-            sel = gi == g
-            r0 = pick(start, sel)
-            mg = pick(m, sel)
+            g, r0, mg, n0, k0, offs_n, offs_k, nmask, kmask = wgrad_tile(t, gi, start, m, N, K, BN, BK, GROUP_N)
             acc = tl.zeros((BN, BK), dtype=tl.float32)
             if USE_TMA:
                 tail = mg // BR * BR

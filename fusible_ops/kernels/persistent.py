@@ -154,10 +154,11 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def wgrad_tile(pid, N, K, BN: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.constexpr):
-        """(g, n0, k0, offs_n [BN], offs_k [BK], nmask, kmask) of weight-gradient tile ``pid`` of
-        G * cdiv(N, BN) * cdiv(K, BK), group-major, with a GROUP_N swizzle of the n tiles inside a
-        group."""
+    def wgrad_tile(pid, gi, start, m, N, K, BN: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.constexpr):
+        """(g, row start, rows, n0, k0, offs_n [BN], offs_k [BK], nmask, kmask) of weight-gradient
+        tile ``pid`` of G * cdiv(N, BN) * cdiv(K, BK), group-major, with a GROUP_N swizzle of the n
+        tiles inside a group; the group's rows from its table (``gi, start, m``: :func:`group_table`
+        or a layout's own, read once per program)."""
         tiles_n = tl.cdiv(N, BN)
         tiles_k = tl.cdiv(K, BK)
         per_g = tiles_n * tiles_k
@@ -170,7 +171,8 @@ if HAS_TRITON:
         pid_k = (local % width) // gsz
         offs_n = pid_n * BN + tl.arange(0, BN)
         offs_k = pid_k * BK + tl.arange(0, BK)
-        return g, pid_n * BN, pid_k * BK, offs_n, offs_k, offs_n < N, offs_k < K
+        sel = gi == g
+        return g, pick(start, sel), pick(m, sel), pid_n * BN, pid_k * BK, offs_n, offs_k, offs_n < N, offs_k < K
 
     @triton.jit
     def wgrad_schedule(N, K, G, BN: tl.constexpr, BK: tl.constexpr, PPS: tl.constexpr):
