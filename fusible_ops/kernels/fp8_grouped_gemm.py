@@ -51,7 +51,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .persistent import (group_table, mainloop, mn_config, operand_descs, tile_coords, tile_space,
+    from .persistent import (group_table, mainloop, mn_config, operand_descs, pick, tile_coords, tile_space,
                              wgrad_config, wgrad_epilogue, wgrad_out_desc, wgrad_schedule, wgrad_tile)
 
     @triton.jit
