@@ -243,11 +243,14 @@ def test_grouped_gemm_case_times_each_gemm_forward_only(tmp_path):
     _, rows = _read(out)
     rows = [r for r in rows if r["case"] == "grouped_gemm"]
     configs = {r["config"] for r in rows}
-    assert configs == {f"{s}_{k}" for s in ("fc1_8e", "fc1_64e", "fc1_128e") for k in ("fwd", "dgrad", "wgrad")}
+    assert configs == {f"{s}_{k}" for s in ("fc1_8e", "fc1_64e", "fc1_128e") for k in ("fwd", "dgrad", "wgrad")} | {
+        "fc1_128e_fwd_gather"}
     for r in rows:
         assert r["status"] == "ok", r
-        assert r["variant"] in ("fused", "grouped_mm") and r["metric"] == "flops" and r["tflops"] > 0
+        assert r["variant"] in ("fused", "grouped_mm", "gather_then_fused") and r["metric"] == "flops" and r["tflops"] > 0
         assert r["rel_err"] < 2e-2
+    assert {r["variant"] for r in rows if r["config"] == "fc1_128e_fwd_gather"} == {"fused", "grouped_mm",
+                                                                                   "gather_then_fused"}
 
 
 def test_a_run_cut_short_keeps_the_rows_it_finished(tmp_path, monkeypatch):

@@ -8,7 +8,9 @@ reduction for the weight gradient; see :data:`~fusible_ops.ops.fp8_grouped.FP8_W
 and of the fine-grained MoE layer (T*k = 196608 rows, in 1536, out 2 x 256, E=128). Variants:
 ``fused`` (ours: :mod:`fusible_ops.kernels.grouped_gemm`, one persistent Triton launch) and
 ``grouped_mm`` (``torch._grouped_mm``, the baseline). Work: ``2 M N K`` FLOPs against the dense bf16 matmul
-ceiling of the run.
+ceiling of the run. ``fc1_128e_fwd_gather``: the same forward reading its M token copies from
+M / 8 tokens through a gather index (:func:`_gather_fwd`): ours in the kernel, ``gather_then_fused``
+(a gathered copy first, as ``Dispatch`` makes it) and ``index_select`` + ``torch._grouped_mm``.
 
 FP8 variants (on GPUs with FP8 tensor cores), E4M3 operands cast before the timed call (the GEMM
 alone), rated against the run's dense FP8 ceiling (``torch._scaled_mm``):
@@ -29,6 +31,7 @@ from typing import Iterator
 import torch
 
 from ..kernels import grouped_gemm as gg
+from ..kernels.moe_combine import gather_rows
 from ..kernels.fp8_gemm import fp8_capable
 from ..kernels.fp8_grouped_gemm import fp8_grouped_mm, fp8_grouped_wgrad
 from ..quantization.casting import _cast_weight, quantize
@@ -96,17 +99,43 @@ def grouped_gemm(ctx: BenchContext) -> Iterator[Bench]:
             "wgrad": (operands(N, K, "wgrad"), lambda dy, x, *_: gg.grouped_gemm_wgrad(dy, x, splits),
                       lambda dy, x, *_: torch._grouped_mm(dy.t(), x, offs=offs)),
         }
-        for kind, (new_copy, ours, peer) in gemms.items():
-            extra = fp8_variants(kind)
+        if name == "fc1_128e":  # the MoE layer's FC1 reading its token copies from the tokens (top-8)
+            gemms["fwd_gather"] = _gather_fwd(ctx, M, K, E, w, offs)
+        for kind, (new_copy, ours, peer, *then) in gemms.items():
+            extra = fp8_variants(kind) if kind != "fwd_gather" else {"gather_then_fused": then[0]}
             yield Bench(
                 case="grouped_gemm", config=f"{name}_{kind}", shape=f"M={M} K={K} N={N} E={E}", dtype=ctx.dtype,
                 metric="flops", work=2.0 * M * N * K, new_copy=new_copy, params=[],
                 variants={"fused": ours, "grouped_mm": peer, **extra}, fused_module=None, plan_args=lambda inp: inp,
-                baseline="grouped_mm", tolerances=dict.fromkeys(extra, FP8_REL_ERR),
+                baseline="grouped_mm", tolerances={k: FP8_REL_ERR for k in extra if k.startswith(("fp8", "torch"))},
                 notes={"fused": "fusible_ops.kernels.grouped_gemm (persistent Triton)",
                        "grouped_mm": "torch._grouped_mm", "fp8_current": "ours, per-tensor E4M3",
                        "fp8_block": "ours, 1x128 / 128x128 block scales",
-                       "torch_scaled_grouped_mm": "torch._scaled_grouped_mm, row-wise scales, fast accumulation"})
+                       "torch_scaled_grouped_mm": "torch._scaled_grouped_mm, row-wise scales, fast accumulation",
+                       "gather_then_fused": "gather_rows (Dispatch's copy) then ours"})
+
+
+def _gather_fwd(ctx: BenchContext, M: int, K: int, E: int, w: torch.Tensor, offs: torch.Tensor, top_k: int = 8):
+    """``fwd_gather``: T = M / top_k tokens, each routed to top_k distinct experts by random scores,
+    the copies in expert order; variants read the copies through the index: ``fused`` in the
+    kernel (:func:`~fusible_ops.kernels.grouped_gemm.grouped_gemm_fwd` with ``gather``),
+    ``gather_then_fused`` a gathered copy first (:func:`~fusible_ops.kernels.moe_combine.gather_rows`,
+    as Dispatch does), ``grouped_mm`` ``index_select`` then ``torch._grouped_mm``. The routing is
+    fixed per case (its split sizes, not the uniform ones of the other configs)."""
+    T = max(M // top_k, 1)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    experts = torch.rand(T, E, generator=g).topk(min(top_k, E), dim=1).indices.flatten()
+    order = torch.sort(experts, stable=True).indices
+    index = (order // min(top_k, E)).to(ctx.device)
+    splits = torch.bincount(experts, minlength=E).to(ctx.device)
+    offs_g = torch.cumsum(splits, 0).to(torch.int32)
+
+    def new_copy():
+        return (ctx.randn(T, K), ctx.randn(index.shape[0], w.shape[1])), None
+    return (new_copy,
+            lambda x, *_: gg.grouped_gemm_fwd(x, w, splits, gather=index),
+            lambda x, *_: torch._grouped_mm(x.index_select(0, index), w.transpose(-2, -1), offs=offs_g),
+            lambda x, *_: gg.grouped_gemm_fwd(gather_rows(x, index), w, splits))
 
 
 def _rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,7 +51,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .persistent import (group_table, mainloop, mn_config, operand_descs, tile_coords, tile_space,
+    from .persistent import (group_table, mainloop, mn_config, operand_descs, pick, tile_coords, tile_space,
                              wgrad_config, wgrad_epilogue, wgrad_out_desc, wgrad_schedule, wgrad_tile)
 
     @triton.jit
@@ -133,6 +133,21 @@ if HAS_TRITON:
         padded = (m + 127) // 128 * 128
         start = tl.minimum(tl.cumsum(padded, 0) - padded, MP)
         return gi, start.to(tl.int32), tl.minimum(m, MP - start).to(tl.int32)
+
+    @triton.jit
+    def _padded_rowmap_kernel(split_ptr, out_ptr, G, M, MP, G_P2: tl.constexpr):
+        """:func:`padded_rowmap`: program p fills rows [128 p, 128 p + 128) of the padded layout,
+        which lie in one group's padded rows (each starts on a multiple of 128) or past them all."""
+        p0 = tl.program_id(0) * 128
+        gi, start, m = group_table(split_ptr, G, M, G_P2)
+        padded = (m + 127) // 128 * 128
+        pstart = tl.cumsum(padded, 0) - padded
+        sel = (gi < G) & (pstart <= p0) & (p0 < pstart + padded)
+        found = tl.sum(sel.to(tl.int32), 0) > 0
+        local = p0 - pick(pstart, sel) + tl.arange(0, 128)
+        src = tl.where(found & (local < pick(m, sel)), pick(start, sel) + local, -1)
+        p = p0 + tl.arange(0, 128)
+        tl.store(out_ptr + p, src, mask=p < MP)
 
     @triton.jit
     def _wgrad_block_loop(acc, at_ptr, bt_ptr, a_desc, b_desc, sat_ptr, sbt_ptr, r0, mg, n0, k0, offs_n, offs_k,
@@ -399,7 +414,21 @@ def pad_groups(x: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
 
 def padded_rowmap(split_sizes: torch.Tensor, M: int) -> torch.Tensor:
     """int32 [padded_rows(M, G)]: the row of the M-row input at each row of :func:`pad_groups`'
-    layout, -1 for a padding row (the inverse of :func:`padded_index`). Device ops only."""
+    layout, -1 for a padding row (the inverse of :func:`padded_index`). One launch (Triton), or
+    the torch ops of :func:`padded_rowmap_ref`; no host sync either way. Split sizes that are
+    negative or do not sum to M (reported by the device-side split check) never map a row
+    outside [0, M)."""
+    G = split_sizes.shape[0]
+    if not (HAS_TRITON and use_triton(split_sizes)) or M == 0:
+        return padded_rowmap_ref(split_sizes, M)
+    MP = padded_rows(M, G)
+    rowmap = torch.empty(MP, dtype=torch.int32, device=split_sizes.device)
+    _padded_rowmap_kernel[(MP // 128,)](split_sizes, rowmap, G, M, MP, G_P2=group_p2(G), num_warps=1)
+    return rowmap
+
+
+def padded_rowmap_ref(split_sizes: torch.Tensor, M: int) -> torch.Tensor:
+    """Pure-torch twin of :func:`padded_rowmap` (built from :func:`padded_index`)."""
     rowmap = torch.full((padded_rows(M, split_sizes.shape[0]),), -1, dtype=torch.int32, device=split_sizes.device)
     if M:
         rowmap[padded_index(split_sizes, M)] = torch.arange(M, dtype=torch.int32, device=split_sizes.device)
@@ -531,5 +560,5 @@ def fp8_grouped_wgrad(a_t, b_t, split_sizes: torch.Tensor, out: Optional[torch.T
     return out
 
 
-__all__ = ["FP8_DTYPES", "cast_block_padded", "padded_rowmap", "fp8_triton_ok", "fp8_grouped_mm", "fp8_grouped_mm_ref", "fp8_grouped_wgrad",
-           "fp8_grouped_wgrad_ref", "pad_groups", "padded_index", "padded_rows"]
+__all__ = ["FP8_DTYPES", "cast_block_padded", "fp8_triton_ok", "fp8_grouped_mm", "fp8_grouped_mm_ref", "fp8_grouped_wgrad",
+           "fp8_grouped_wgrad_ref", "pad_groups", "padded_index", "padded_rowmap", "padded_rowmap_ref", "padded_rows"]

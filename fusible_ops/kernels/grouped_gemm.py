@@ -37,13 +37,20 @@ if HAS_TRITON:
         c_ptr,  # [M, NOUT] output (strided)
         bias_ptr,  # [G, NOUT] or a dummy pointer
         split_ptr,  # [G] int64 rows per group
+        gidx_ptr,  # GATHER: [M] int64, the row of A each row of C reads (else a dummy)
         M, NOUT, KIN, G,
         s_am, s_ak, s_bg, s_bk, s_bn, s_cm, s_cn, s_biasg, s_biasn,
         HAS_BIAS: tl.constexpr, B_KMAJOR: tl.constexpr, USE_TMA: tl.constexpr, PREC: tl.constexpr,
         G_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
         FLATTEN: tl.constexpr = False, PPS: tl.constexpr = 1,  # PPS: programs per SM (read by the grid)
+        GATHER: tl.constexpr = False,
     ):
-        """C[rows of g] = A[rows of g] @ B_g (+ bias[g]); persistent over all groups' tiles."""
+        """C[rows of g] = A[rows of g] @ B_g (+ bias[g]); persistent over all groups' tiles.
+        ``GATHER``: row r of C reads row gidx[r] of A (M counts C's rows), through the pointer
+        path (the launcher sets USE_TMA False). Offline sm_90a PTX (Triton 3.6 and 3.9): pointer
+        loads of both operands compile to a cp.async pipeline with the MMA one step in flight and
+        no spills; :func:`mainloop`'s TMA branch with A's rows gathered instead loaded A into
+        registers every K step and waited for each MMA (and spilled at 128x256)."""
         gi, start, m, tiles, tile_end, total, TILES_N = tile_space(split_ptr, G, M, NOUT, G_P2, BM, BN)
         a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, KIN, NOUT, G, s_am, s_bg, s_bk, s_bn, B_KMAJOR, USE_TMA,
                                        BM, BN, BK)
@@ -51,7 +58,8 @@ if HAS_TRITON:
             g, row0, rows, rmask, n0, offs_n, nmask = tile_coords(t, gi, start, m, tile_end, tiles, TILES_N, NOUT,
                                                                   BM, BN, GROUP_M)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            acc = mainloop(acc, a_ptr, a_desc, b_ptr, b_desc, g, row0, rows, rmask, n0, offs_n, nmask,
+            src = tl.load(gidx_ptr + rows.to(tl.int64), mask=rmask, other=0) if GATHER else rows
+            acc = mainloop(acc, a_ptr, a_desc, b_ptr, b_desc, g, row0, src, rmask, n0, offs_n, nmask,
                             KIN, s_am, s_ak, s_bg, s_bk, s_bn, B_KMAJOR, USE_TMA, PREC, BN, BK)
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + g.to(tl.int64) * s_biasg + offs_n.to(tl.int64) * s_biasn, mask=nmask, other=0.0)
@@ -162,26 +170,29 @@ if HAS_TRITON:
                                fit={"N": "BN", "K": "BK"})
 
 
-def _launch_mn(a, b, c, bias, split, nout, kin, s_bk, s_bn, b_kmajor):
-    """Launch _ggemm_kernel: c[M, nout] = grouped a[M, kin] @ B_g (+ bias). One launch."""
-    M, G = a.shape[0], b.shape[0]
+def _launch_mn(a, b, c, bias, split, nout, kin, s_bk, s_bn, b_kmajor, gather=None):
+    """Launch _ggemm_kernel: c[M, nout] = grouped a[M, kin] @ B_g (+ bias), or with ``gather``
+    ([M] int64) row r reading a[gather[r]]. One launch."""
+    M, G = c.shape[0], b.shape[0]
     if M == 0 or nout == 0:
         return c
     has_bias = bias is not None
     bias_arg = bias if has_bias else c
+    gidx = split if gather is None else gather
     # everything build() reads but the pointers (launch_cached: later calls skip build)
-    key = (a.shape, a.stride(), b.shape, b.stride(), c.stride(), bias.stride() if has_bias else None, a.dtype,
-           b.dtype, c.dtype, bias_arg.dtype, split.dtype, a.device, nout, kin, s_bk, s_bn, b_kmajor)
+    key = (a.shape, a.stride(), b.shape, b.stride(), c.shape, c.stride(), bias.stride() if has_bias else None,
+           a.dtype, b.dtype, c.dtype, bias_arg.dtype, split.dtype, a.device, nout, kin, s_bk, s_bn, b_kmajor,
+           gather is not None)
 
     def build():
-        use_tma = kin > 0 and tma_ok(a, b)
+        use_tma = kin > 0 and tma_ok(a, b) and gather is None
         s_biasg, s_biasn = (bias.stride(0), bias.stride(1)) if has_bias else (0, 0)
-        args = (a, b, c, bias_arg, split, M, nout, kin, G, a.stride(0), a.stride(1), b.stride(0), s_bk, s_bn,
+        args = (a, b, c, bias_arg, split, gidx, M, nout, kin, G, a.stride(0), a.stride(1), b.stride(0), s_bk, s_bn,
                 c.stride(0), c.stride(1), s_biasg, s_biasn)
         const = dict(HAS_BIAS=has_bias, B_KMAJOR=b_kmajor, USE_TMA=use_tma, PREC=dot_precision(a.dtype),
-                     G_P2=group_p2(G))
+                     G_P2=group_p2(G), GATHER=gather is not None)
         return args, const, persistent_grid(M, G, nout, a.device)
-    MN_KERNEL.launch_cached(key, (a, b, c, bias_arg, split), build, a.dtype, a.device)
+    MN_KERNEL.launch_cached(key, (a, b, c, bias_arg, split, gidx), build, a.dtype, a.device)
     return c
 
 
@@ -215,6 +226,18 @@ def _grouped_gemm_fwd_op(x: torch.Tensor, w: torch.Tensor, split_sizes: torch.Te
 @_grouped_gemm_fwd_op.register_fake
 def _(x, w, split_sizes, bias):
     return x.new_empty((x.shape[0], w.shape[1]))
+
+
+@kernel_op("fusible_ops::grouped_gemm_fwd_gather", mutates_args=())
+def _grouped_gemm_fwd_gather_op(x: torch.Tensor, w: torch.Tensor, split_sizes: torch.Tensor,
+                                bias: Optional[torch.Tensor], gather: torch.Tensor) -> torch.Tensor:
+    y = x.new_empty((gather.shape[0], w.shape[1]))
+    return _launch_mn(x, w, y, bias, split_sizes, w.shape[1], x.shape[1], w.stride(2), w.stride(1), True, gather)
+
+
+@_grouped_gemm_fwd_gather_op.register_fake
+def _(x, w, split_sizes, bias, gather):
+    return x.new_empty((gather.shape[0], w.shape[1]))
 
 
 @kernel_op("fusible_ops::grouped_gemm_dgrad", mutates_args=())
@@ -272,19 +295,27 @@ def _(dy, split_sizes):
 
 # ----------------------------------------------------------------------------- public API
 def grouped_gemm_fwd(x: torch.Tensor, w: torch.Tensor, split_sizes: torch.Tensor,
-                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     bias: Optional[torch.Tensor] = None, gather: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Grouped linear forward: ``y[rows of g] = x_g @ w[g].T (+ bias[g])``.
 
     x [M, K], w [G, N, K] (same dtype: bf16/fp16/fp32; float64 runs the ref), bias [G, N] or
     None, split_sizes [G] int64 on x's device. Returns y [M, N] in x's dtype (fp32 accumulate;
     fp32 inputs use IEEE fp32 dot). Any strides; sync-free; one launch.
+
+    ``gather`` ([R] int64, values in [0, M)): row r of y reads row ``gather[r]`` of x inside the
+    kernel (a MoE layer's token copies, never written as an [R, K] tensor); y is [R, N] and the
+    split sizes sum to R. Same as ``grouped_gemm_fwd(x[gather], ...)``.
     """
     G = w.shape[0]
-    check_splits(split_sizes, G, x, w, *([bias] if bias is not None else []))
+    check_splits(split_sizes, G, x, w, *([bias] if bias is not None else []), *([gather] if gather is not None else []))
     same_dtype(x, w)
+    if gather is not None and (gather.dim() != 1 or gather.dtype != torch.int64):
+        raise TypeError(f"grouped_gemm_fwd: gather must be a 1-D int64 tensor, got {gather.dtype} {tuple(gather.shape)}")
     if use_triton(x, w, split_sizes, bias) and x.dtype in TRITON_DTYPES:
+        if gather is not None:
+            return _grouped_gemm_fwd_gather_op(x, w, split_sizes, bias, gather)
         return _grouped_gemm_fwd_op(x, w, split_sizes, bias)
-    return grouped_gemm_fwd_ref(x, w, split_sizes, bias)
+    return grouped_gemm_fwd_ref(x if gather is None else x.index_select(0, gather), w, split_sizes, bias)
 
 
 def grouped_gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:

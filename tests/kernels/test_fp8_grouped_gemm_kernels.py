@@ -163,6 +163,49 @@ def test_padded_layout_loses_no_row(splits):
     assert bool((starts % 128 == 0).all())
 
 
+ROWMAP_SPLITS = BLOCK_SPLITS + [[0, 0], [2], [128, 128, 0, 256], [(7 * g) % 300 for g in range(130)]]
+
+
+def _check_rowmap(splits, device):
+    split = torch.tensor(splits, device=device)
+    M = sum(splits)
+    with K.use("triton"):
+        got = F.padded_rowmap(split, M)
+    want = F.padded_rowmap_ref(split, M)
+    assert got.dtype == torch.int32 and got.shape == want.shape and torch.equal(got, want), splits
+
+
+@pytest.mark.parametrize("splits", ROWMAP_SPLITS, ids=range(len(ROWMAP_SPLITS)))
+def test_interpreter_padded_rowmap(splits):
+    """The one-launch padded_rowmap equals its torch twin (empty groups, 130 groups, no rows)."""
+    _check_rowmap(splits, "cpu")
+
+
+def test_interpreter_padded_rowmap_bad_split_sizes_stay_in_bounds():
+    """Split sizes the device-side check reports never map a row outside [0, M)."""
+    for bad in ([300, 5, -3], [-200, 100, 100], [1, 1, 1], [90, 90]):
+        with K.use("triton"):
+            got = F.padded_rowmap(torch.tensor(bad), 100)
+        assert got.shape == (F.padded_rows(100, len(bad)),)
+        assert int(got.min()) >= -1 and int(got.max()) < 100, bad
+
+
+@pytest.mark.gpu
+def test_gpu_padded_rowmap_and_graph_replay():
+    for splits in ROWMAP_SPLITS + [[1000, 0, 3, 2048, 129]]:
+        _check_rowmap(splits, "cuda")
+    split = torch.tensor([640, 0, 0, 0, 0], device="cuda")
+    F.padded_rowmap(split, 640)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = F.padded_rowmap(split, 640)
+    for splits in ([0, 0, 0, 0, 640], [1, 129, 0, 300, 210], [128, 128, 128, 128, 128]):
+        split.copy_(torch.tensor(splits))
+        g.replay()
+        assert torch.equal(got, F.padded_rowmap_ref(split, 640)), splits
+
+
 def _check_cast_block_padded(x, splits, pow2=False):
     """cast_block_padded (Triton) is bit-identical to the two-pass way: the row-wise 1x128 cast of
     x, and the transposed cast of the zero-padded copy pad_groups makes."""

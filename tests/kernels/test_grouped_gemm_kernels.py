@@ -188,6 +188,42 @@ def test_tma_path_logic_under_interpreter(monkeypatch):
         assert_close_norm(gg.grouped_gemm_wgrad(dy, x, split), wgrad64(dy, x, split), dtype)
 
 
+def _gather_case(T, R, N, Kd, splits, dtype, device=DEV, seed=3):
+    """Tokens x [T, Kd] and a gather index [R] (tokens repeated, in any order) for grouped_gemm_fwd."""
+    x, w, b, _, split = _data(R, N, Kd, splits, dtype, device, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randn(T, Kd, generator=g).to(device, dtype)
+    idx = torch.randint(0, T, (R,), generator=g).to(device)
+    return tokens, idx, w, b, split
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma_b"])
+@pytest.mark.parametrize("T,R,N,Kd,splits", [(9, 70, 33, 40, [20, 0, 37, 13]), (3, 7, 5, 3, [3, 4]), (1, 1, 1, 1, [1])])
+@pytest.mark.parametrize("dtype", LOW)
+def test_fwd_gather(T, R, N, Kd, splits, dtype, tma, monkeypatch):
+    """grouped_gemm_fwd(x, ..., gather=idx) == grouped_gemm_fwd(x[idx], ...): row r reads token
+    idx[r] in the kernel (pointer loads; with TMA on, B still through descriptors)."""
+    if tma:
+        if CUDA or Kd % 8:
+            pytest.skip("covered by the GPU tests" if CUDA else "TMA needs 16-byte rows")
+        monkeypatch.setattr(gg, "tma_ok", lambda *t: True)
+    tokens, idx, w, b, split = _gather_case(T, R, N, Kd, splits, dtype)
+    with K.use("triton"):
+        y = gg.grouped_gemm_fwd(tokens, w, split, b, gather=idx)
+        y0 = gg.grouped_gemm_fwd(tokens, w, split, gather=idx)
+    assert y.shape == (R, N) and y.dtype == dtype
+    assert_close_norm(y, fwd64(tokens[idx], w, split, b), dtype, msg="gather+bias")
+    assert_close_norm(y0, fwd64(tokens[idx], w, split), dtype, msg="gather")
+    assert_close_norm(gg.grouped_gemm_fwd(tokens, w, split, b, gather=idx.cpu() if DEV == "cpu" else idx),
+                      fwd64(tokens[idx], w, split, b), dtype, msg="ref")
+
+
+def test_fwd_gather_rejects_a_bad_index():
+    tokens, idx, w, b, split = _gather_case(3, 7, 5, 3, [3, 4], torch.float32)
+    with pytest.raises(TypeError, match="gather"):
+        gg.grouped_gemm_fwd(tokens, w, split, gather=idx.to(torch.int32))
+
+
 def test_bad_split_sizes_rejected():
     x, w, b, dy, split = _data(7, 5, 3, [3, 4], torch.float32)
     with pytest.raises(ValueError):
@@ -203,6 +239,8 @@ def test_fake_tensor_shapes():
         x, w = torch.empty(9, 8), torch.empty(3, 5, 8)
         split, dy = torch.empty(3, dtype=torch.int64), torch.empty(9, 5)
         assert torch.ops.fusible_ops.grouped_gemm_fwd(x, w, split, None).shape == (9, 5)
+        assert torch.ops.fusible_ops.grouped_gemm_fwd_gather(x[:4], w, split, None,
+                                                             torch.empty(9, dtype=torch.int64)).shape == (9, 5)
         assert torch.ops.fusible_ops.grouped_gemm_dgrad(dy, w, split).shape == (9, 8)
         assert torch.ops.fusible_ops.grouped_gemm_wgrad(dy, x, split).shape == (3, 5, 8)
         assert torch.ops.fusible_ops.grouped_bias_grad(dy, split).shape == (3, 5)
@@ -236,6 +274,28 @@ def test_gpu_all_ops(M, N, Kd, splits, dtype):
     for g, m in enumerate(splits):
         if m == 0:
             assert torch.equal(acc[g], acc0[g]) and not dw[g].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_fwd_gather_and_graph_replay(dtype):
+    """The gathered forward at the GPU shapes (TMA-eligible and not), then captured and replayed with
+    other split sizes and another index."""
+    for M, N, Kd, splits in GPU_SHAPES:
+        tokens, idx, w, b, split = _gather_case(M // 3 + 1, M, N, Kd, splits, dtype, "cuda")
+        assert_close_norm(gg.grouped_gemm_fwd(tokens, w, split, b, gather=idx), fwd64(tokens[idx], w, split, b),
+                          dtype, msg=str(splits))
+    tokens, idx, w, b, split = _gather_case(300, 1000, 200, 136, [300, 0, 411, 1, 288], dtype, "cuda")
+    gg.grouped_gemm_fwd(tokens, w, split, b, gather=idx)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gg.grouped_gemm_fwd(tokens, w, split, b, gather=idx)
+    for seed, splits in ((5, [0, 1000, 0, 0, 0]), (6, [1, 129, 0, 300, 570])):
+        split.copy_(torch.tensor(splits))
+        idx.copy_(torch.randint(0, 300, (1000,), generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        assert_close_norm(y, fwd64(tokens[idx], w, split, b), dtype, msg=str(splits))
 
 
 def _wg_id(cfg) -> str:
