@@ -157,6 +157,20 @@ def test_empty_experts_one_expert_with_all_tokens_and_no_tokens():
     assert y.shape == (0, H) and empty.grad.shape == (0, H) and loss.item() == 0.0
 
 
+def test_router_adds_its_input_gradient_into_dispatchs_in_place(monkeypatch):
+    """The Router's input gradient is added into the one Dispatch's backward allocated (no
+    out-of-place ``torch.addmm``, which copies that [T, H] gradient first), and x's gradient
+    still matches the float64 reference."""
+    calls = []
+    addmm = torch.addmm
+    monkeypatch.setattr(torch, "addmm", lambda *a, **k: calls.append(a[0].shape) or addmm(*a, **k))
+    moe = _moe(6, 2)
+    x = _x((9, H), seed=3)
+    _no_near_ties(moe[0], x)
+    assert_matches_reference(moe, x)
+    assert (9, H) not in calls
+
+
 def test_two_layers_in_one_fuser_with_norm_and_residuals():
     torch.manual_seed(0)
     layers = []

@@ -49,7 +49,8 @@ class DispatchGroupedMLP(FusedOperation):
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
         dxp, pgrads, gextra = self._mlp.fuser_backward(ctxs[1:], dy, grad_extra_outputs=grad_extra_outputs[1:])
-        dx, _, _ = self.basic_ops[0].fuser_backward([ctxs[0]], dxp, grad_extra_outputs=[()])
+        dx, _, _ = self.basic_ops[0].fuser_backward([ctxs[0]], dxp, grad_extra_outputs=[()],
+                                                    routing=kwargs.get("routing"))
         return dx, [(), *pgrads], [(), *gextra]
 
 

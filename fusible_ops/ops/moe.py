@@ -62,15 +62,17 @@ class Routing:
     and :class:`Dispatch` (``perm``: token-copy positions ``t * k + j`` sorted by expert, stably;
     ``inv_perm`` its inverse; with an expert-parallel group also ``exchange``, the
     :class:`~fusible_ops.ops.moe_ep.ExpertExchange`, and ``local_split_sizes`` [E / ep], the
-    routed ops' split sizes)."""
+    routed ops' split sizes). Backward: ``fresh_dx``, Dispatch's input gradient, which Dispatch
+    allocated and no one else holds, so the Router adds its own gradient into it in place.)"""
 
     __slots__ = ("num_experts", "top_k", "token_shape", "expert_ids", "probs", "split_sizes", "perm",
-                 "inv_perm", "probs_grad", "dprobs", "selection_tol", "exchange", "local_split_sizes", "ep_error")
+                 "inv_perm", "probs_grad", "dprobs", "selection_tol", "exchange", "local_split_sizes", "ep_error",
+                 "fresh_dx")
 
     def __init__(self, num_experts: int, top_k: int) -> None:
         self.num_experts, self.top_k = num_experts, top_k
         self.token_shape = self.expert_ids = self.probs = self.split_sizes = None
-        self.perm = self.inv_perm = self.dprobs = self.exchange = self.local_split_sizes = None
+        self.perm = self.inv_perm = self.dprobs = self.exchange = self.local_split_sizes = self.fresh_dx = None
         self.probs_grad = False
         self.selection_tol = None  # (rtol, atol) when expert_ids are given to a reference run
         self.ep_error = None  # an expert-parallel layout error, raised on every rank by the Dispatch
@@ -378,7 +380,10 @@ class Router(WeightGradMixin, BasicOperation):
         dx = None
         if ctx.input_requires_grad:
             if dy is not None and dy.dtype == dl.dtype == w.dtype:  # Dispatch's gradient added by the GEMM
-                dx = torch.addmm(dy.reshape(-1, w.shape[1]), dl, w).reshape(ctx.input_shape)
+                if routing is not None and dy is routing.fresh_dx and dy.is_contiguous():  # (ours: no copy of dy)
+                    dx = dy.view(-1, w.shape[1]).addmm_(dl, w).view(ctx.input_shape)
+                else:  # (out of place, addmm copies dy into its result first)
+                    dx = torch.addmm(dy.reshape(-1, w.shape[1]), dl, w).reshape(ctx.input_shape)
             else:
                 dx = (dl @ w.to(dl.dtype)).to(w.dtype).reshape(ctx.input_shape)
                 dx = dx if dy is None else dy + dx
@@ -509,7 +514,7 @@ class Dispatch(BasicOperation):
         y = gather_rows(x2d, self.gather_index(routing))
         return (y if routing.exchange is None else routing.exchange.to_experts(y)), [()]
 
-    def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, **kwargs):
+    def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, routing: Routing = None, **kwargs):
         ctx = ctxs[0]
         if not ctx.input_requires_grad:
             return None, [()], [()]
@@ -517,7 +522,10 @@ class Dispatch(BasicOperation):
         if ctx.exchange is not None:
             dy = ctx.exchange.from_experts(dy)
         dx = gather_sum(dy.reshape(-1, dy.shape[-1]), inv.view(-1, ctx.top_k))  # each token's k copies, in order
-        return dx.reshape(ctx.input_shape), [()], [()]
+        dx = dx.reshape(ctx.input_shape)
+        if routing is not None:
+            routing.fresh_dx = dx
+        return dx, [()], [()]
 
     def reference_forward(self, x, routing: Routing):
         x2d = self._rows(x, routing)
