@@ -253,6 +253,19 @@ def test_grouped_gemm_case_times_each_gemm_forward_only(tmp_path):
                                                                                    "gather_then_fused"}
 
 
+def test_moe_copies_case_checks_each_variant_against_index_select(tmp_path):
+    """moe_copies: the token copies by scatter_copies and gather_rows at each MoE layer shape,
+    forward only, each checked against index_select before timing."""
+    out = str(tmp_path / "res")
+    assert main(["moe_copies", "--out", out, *QUICK]) == 0
+    _, rows = _read(out)
+    rows = [r for r in rows if r["case"] == "moe_copies"]
+    assert {r["variant"] for r in rows} == {"fused", "gather_rows", "index_select"} and len(rows) == 9
+    for r in rows:
+        assert r["status"] == "ok" and r["metric"] == "bytes" and r["gbps"] > 0, r
+        assert r["rel_err"] == 0, r
+
+
 def test_a_run_cut_short_keeps_the_rows_it_finished(tmp_path, monkeypatch):
     """The JSON lines are rewritten after every bench: a run killed mid-way (a device call's time
     limit) leaves the rows of the benches it finished."""

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import fusible_ops as fo
 
+from ..kernels.moe_combine import gather_rows, scatter_copies
 from .cases import CASES, FP8_REL_ERR, Bench, BenchContext, Case, _with_compile, graphed, tuned, unfused
 
 SHAPES = [(24576, 1536, 256, 128, 8), (32768, 2048, 768, 128, 8), (16384, 4096, 14336, 8, 2)]
@@ -104,7 +105,37 @@ def moe_layer(ctx: BenchContext) -> Iterator[Bench]:
         del seq, variants, eager, fused, fp8_current, new_copy
 
 
+def moe_copies(ctx: BenchContext) -> Iterator[Bench]:
+    """The layer's token copies in expert order alone (Dispatch's forward; ``moe_act_combine``
+    makes the same copies of ``dy``), forward only, at each layer shape with a fixed random
+    top-k routing: ``fused`` :func:`~fusible_ops.kernels.moe_combine.scatter_copies` (each token
+    read once, placed ``k`` times), ``gather_rows`` (each copy gathered: a token read ``k``
+    times) and ``index_select`` (the baseline). Work: the bytes of the tokens read once and the
+    copies written, against the run's copy bandwidth."""
+    for T, H, _, E, k in SHAPES:
+        T, H = ctx.size(T, 32), ctx.size(H, 32)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        perm = torch.sort(torch.rand(T, E, generator=g).topk(k, dim=1).indices.flatten(), stable=True).indices
+        inv = torch.argsort(perm).view(T, k).to(ctx.device)
+        tokens = torch.div(perm, k, rounding_mode="floor").to(ctx.device)
+
+        def new_copy(T=T, H=H):
+            return (ctx.randn(T, H),), None
+
+        yield Bench(
+            case="moe_copies", config=f"E{E}_k{k}_H{H}", shape=f"T={T} H={H} E={E} k={k}", dtype=ctx.dtype,
+            metric="bytes", work=(T + T * k) * H * torch.tensor([], dtype=ctx.dtype).element_size(),
+            new_copy=new_copy, params=[], fused_module=None, plan_args=lambda inp: inp, baseline="index_select",
+            variants={"fused": lambda x, inv=inv: scatter_copies(x, inv),
+                      "gather_rows": lambda x, tokens=tokens: gather_rows(x, tokens),
+                      "index_select": lambda x, tokens=tokens: x.index_select(0, tokens)},
+            notes={"fused": "scatter_copies (each token read once)", "gather_rows": "gather_rows (each copy gathered)",
+                   "index_select": "torch index_select"})
+
+
 CASES.update({  # (registered into the harness's catalogue when fusible_ops.bench is imported)
+    "moe_copies": Case("the MoE layer's token copies in expert order alone (Dispatch's forward): scatter_copies vs "
+                       "gather_rows vs index_select", moe_copies),
     "moe_layer": Case("Router, Dispatch, GroupedLinear, SwiGLU, GroupedLinear, Combine vs the torch._grouped_mm "
                       "composition; configs per (E, top_k, hidden): " +
                       ", ".join(f"T={t} H={h} F={f} E={e} k={k}" for t, h, f, e, k in SHAPES), moe_layer),

@@ -27,7 +27,7 @@ FAMILIES = [
     ("Dense MLP blocks (bf16 and FP8)", ("mlp_block", "mlp_block_swiglu")),
     ("Grouped expert MLPs (bf16 and FP8)", ("grouped_mlp_8e", "grouped_mlp_64e")),
     ("Grouped GEMMs alone", ("grouped_gemm",)),
-    ("MoE layer", ("moe_layer",)),
+    ("MoE layer", ("moe_layer", "moe_copies")),
     ("Model stacks (attention + blocks, bf16 and FP8)", ("dense_layers", "moe_layers")),
     ("LM head", ("lm_head",)),
     ("Distributed (torchrun)", ("tp_mlp", "ep_moe")),
@@ -36,7 +36,7 @@ FAMILIES = [
 
 PEER_LABELS = {"eager": "eager PyTorch", "compile": "torch.compile", "eager_loop": "per-expert loop",
                "compile_loop": "compiled loop", "grouped_mm": "torch._grouped_mm", "liger": "Liger-Kernel",
-               "torch_scaled_grouped_mm": "torch._scaled_grouped_mm"}
+               "torch_scaled_grouped_mm": "torch._scaled_grouped_mm", "index_select": "index_select"}
 
 
 def load_rows(out_dir: str) -> list[dict]:

@@ -13,7 +13,8 @@ so (SonicMoE's way)
   gradient the unscaled copies' against ``p * a``.
 
 Forward: (the activation,) FC2's grouped GEMM, the probability-weighted gather-sum, as unfused.
-Backward: one row gather of ``dy`` (the unscaled copies; the unfused Combine writes the scaled
+Backward: one pass making the unscaled copies of ``dy``
+(:func:`~fusible_ops.kernels.moe_combine.scatter_copies`; the unfused Combine writes the scaled
 ones instead), FC2's input-gradient GEMM, then one pass over its [T * k, ffn] result
 (:func:`~fusible_ops.kernels.moe_combine.rows_scale_dot`): the dot products, the scaled input
 gradient, ``p * a``; with the activation in the rule, ``a`` is recomputed from the activation's
@@ -37,11 +38,11 @@ from __future__ import annotations
 from ..grad import deliver_weight_grad
 from ..kernels.activation import bias_act_fwd
 from ..kernels.grouped_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
-from ..kernels.moe_combine import gather_rows, gather_sum, rows_scale_dot
+from ..kernels.moe_combine import gather_sum, rows_scale_dot, scatter_copies
 from ..op import FusedOperation
 from ..ops.activation import GEGLU, GELU, ReGLU, ReLU, SiLU, SwiGLU
 from ..ops.grouped_linear import GroupedLinear
-from ..ops.moe import Combine, Dispatch, _need_routing
+from ..ops.moe import Combine, _need_routing
 from ..rules import match, rule
 
 
@@ -77,7 +78,7 @@ class GroupedLinearCombine(FusedOperation):
             c2.weight_grad = c2.weight_requires_grad and fc2.weight.requires_grad
             c2.input_shape, c2.top_k = h.shape, routing.top_k
             c2.save_for_backward(a if act is None else h.reshape(a.shape[0], h.shape[-1]), fc2.weight, splits,
-                                 routing.probs, routing.perm)
+                                 routing.probs, routing.perm, routing.inv_perm)
         return out, [()] * len(ctxs)
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, routing=None, **kwargs):
@@ -85,9 +86,9 @@ class GroupedLinearCombine(FusedOperation):
         c2 = ctxs[-2]
         if c2.unfused:
             return _backward_unfused(self.basic_ops, ctxs, dy, grad_extra_outputs, routing)
-        kept, w, splits, probs, perm = c2.saved_tensors
+        kept, w, splits, probs, perm, inv = c2.saved_tensors
         need_dx = ctxs[0].input_requires_grad
-        g = gather_rows(dy.reshape(-1, fc2.out_features), Dispatch.tokens_of(perm, c2.top_k))  # unscaled copies of dy
+        g = scatter_copies(dy.reshape(-1, fc2.out_features), inv.view(-1, c2.top_k))  # unscaled copies of dy
         dx, routing.dprobs, a_scaled = rows_scale_dot(grouped_gemm_dgrad(g, w, splits), kept, probs, perm,
                                                       dx=need_dx, scaled_a=c2.weight_grad,
                                                       act=None if act is None else act.kind)

@@ -20,6 +20,9 @@ permutation of ``0..N-1``, e.g. :class:`~fusible_ops.ops.moe.Routing`'s ``inv_pe
   it (the activation's backward in the same pass).
 * :func:`gather_rows` -- gathered rows (``x[index]``, any dtype, bytes moved):
   :class:`~fusible_ops.ops.moe.Dispatch`'s forward, the token copies in expert order.
+* :func:`scatter_copies` -- the same copies as ``gather_rows(x, perm // k)`` placed from the
+  tokens' side (``out[index[t, j]] = x[t]``, ``index`` = ``inv_perm`` as [T, k]): each token row
+  is read once, where the gather reads it ``k`` times.
 * :func:`gather_rows_t` -- gathered rows, transposed (``x[index].T``, any dtype, bytes moved):
   the column-wise FP8 token copies FC1's FP8 weight gradient reads.
 
@@ -102,6 +105,20 @@ if HAS_TRITON:
             tl.store(dp_ptr + t64[:, None] * K + cols[None, :], dp, mask=tmask[:, None] & (cols < K)[None, :])
 
     @triton.jit
+    def _scatter_copies_kernel(x_ptr, idx_ptr, out_ptr, T, H, K, s_x, s_o, BT: tl.constexpr, BH: tl.constexpr):
+        """Grid (cdiv(T, BT), cdiv(H, BH)): out[idx[t, j], h-block] = x[t, h-block] for the block's
+        tokens and every j < K: each token's row is read once and written K times."""
+        offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+        offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+        tmask = offs_t < T
+        mask = tmask[:, None] & (offs_h < H)[None, :]
+        t64 = offs_t.to(tl.int64)
+        v = tl.load(x_ptr + t64[:, None] * s_x + offs_h[None, :], mask=mask)
+        for j in range(K):
+            rows = tl.load(idx_ptr + t64 * K + j, mask=tmask, other=0).to(tl.int64)
+            tl.store(out_ptr + rows[:, None] * s_o + offs_h[None, :], v, mask=mask)
+
+    @triton.jit
     def _gather_rows_t_kernel(x_ptr, idx_ptr, out_ptr, M, K, s_x, s_o, BM: tl.constexpr, BK: tl.constexpr):
         """Grid (cdiv(M, BM), cdiv(K, BK)): out[k-block, m-block] = x[idx[m-block], k-block]^T. The
         tile is loaded as [BK, BM] (contiguous along k) and stored contiguous along m: Triton
@@ -180,6 +197,7 @@ if HAS_TRITON:
     _GATHER_ROWS = DirectKernel(_gather_rows_kernel)
     _COMBINE_BWD = DirectKernel(_combine_bwd_kernel)
     _GATHER_ROWS_T = DirectKernel(_gather_rows_t_kernel)
+    _SCATTER_COPIES = DirectKernel(_scatter_copies_kernel)
     _ROWS_SCALE_DOT = DirectKernel(_rows_scale_dot_kernel)
 
 GATHER_TILE = 4096  # elements per gather-sum program (tests shrink the tiles to get many programs)
@@ -348,6 +366,22 @@ def _(x, index):
     return x.new_empty((x.shape[1], index.shape[0]))
 
 
+@kernel_op("fusible_ops::moe_scatter_copies", mutates_args=())
+def _scatter_copies_op(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    (t, k), h = index.shape, x.shape[1]
+    out = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
+    if out.numel():
+        bt, bh = _rows_geometry(t, h, x.element_size(), not x.is_cuda)
+        _SCATTER_COPIES((cdiv(t, bt), cdiv(h, bh)), (x.device, x.dtype, t, h, k, x.stride(0), bt, bh),
+                        (x, index, out, t, h, k, x.stride(0), out.stride(0)), dict(BT=bt, BH=bh, num_warps=4))
+    return out
+
+
+@_scatter_copies_op.register_fake
+def _(x, index):
+    return x.new_empty((index.numel(), x.shape[1]))
+
+
 # ----------------------------------------------------------------------------- public API
 def gather_sum(src: torch.Tensor, index: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out[t] = sum_j weight[t, j] * src[index[t, j]]`` ([T, H] in src's dtype; module doc).
@@ -411,11 +445,13 @@ def rows_scale_dot(g: torch.Tensor, a: torch.Tensor, probs: torch.Tensor, perm: 
     return rows_scale_dot_ref(g, a, probs, perm, dx=dx, scaled_a=scaled_a, act=act)
 
 
-def _rows_call(x: torch.Tensor, index: torch.Tensor, op, ref) -> torch.Tensor:
-    """Run a row-gather op on ``x``'s bytes (values are never converted: FP8 stays bit-exact)."""
+def _rows_call(x: torch.Tensor, index: torch.Tensor, op, ref, index_dims: int = 1) -> torch.Tensor:
+    """Run a row-moving op on ``x``'s bytes (values are never converted: FP8 stays bit-exact)."""
     x = as_rows(x)
-    if index.dim() != 1 or index.dtype != torch.int64:
-        raise ValueError(f"index must be 1-D int64, got {list(index.shape)} {index.dtype}")
+    if index.dim() != index_dims or index.dtype != torch.int64:
+        raise ValueError(f"index must be {index_dims}-D int64, got {list(index.shape)} {index.dtype}")
+    if index_dims == 2 and index.shape[0] != x.shape[0]:
+        raise ValueError(f"index [T, k] = {list(index.shape)} must have a row per row of x ({x.shape[0]})")
     if use_triton(x, index) and x.element_size() in (1, 2, 4):
         view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()]
         return op(x.view(view), index.contiguous()).view(x.dtype)
@@ -427,6 +463,16 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     layer's token copies in expert order. Any dtype (bytes are moved, never converted); x [N, K],
     index [M] int64 with values in [0, N) (not checked: a check would sync)."""
     return _rows_call(x, index, _gather_rows_op, gather_rows_ref)
+
+
+def scatter_copies(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``out[index[t, j]] = x[t]`` ([T * k, H], x's dtype): ``k`` copies of each row of x [T, H]
+    placed by ``index`` [T, k] int64, one pass that reads each row of x once. With a MoE layer's
+    ``inv_perm`` viewed as [T, k] it is ``gather_rows(x, perm // k)`` (the token copies in expert
+    order), which reads each token ``k`` times. Any dtype (bytes are moved). ``index`` must be a
+    permutation of ``0 .. T * k - 1`` (not checked: a check would sync; rows it misses are left
+    unwritten)."""
+    return _rows_call(x, index, _scatter_copies_op, scatter_copies_ref, index_dims=2)
 
 
 def gather_rows_t(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -442,6 +488,13 @@ def gather_rows_t(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def gather_rows_ref(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Pure-torch twin of :func:`gather_rows`."""
     return x.index_select(0, index)
+
+
+def scatter_copies_ref(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Pure-torch twin of :func:`scatter_copies` (1-byte dtypes as bytes: torch has no FP8 index_copy_)."""
+    t, k = index.shape
+    v = x.view(torch.uint8) if x.element_size() == 1 else x
+    return v.new_empty((t * k, x.shape[1])).index_copy_(0, index.reshape(-1), v.repeat_interleave(k, 0)).view(x.dtype)
 
 
 def gather_rows_t_ref(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

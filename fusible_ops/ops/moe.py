@@ -18,7 +18,8 @@ What must hold:
 * No host sync: the top-k, the counts per expert and the stable sort of the copies by expert
   (tokens of one expert keep token order: deterministic) come from three kernels
   (:func:`~fusible_ops.kernels.moe_router.route`: a counting sort, no atomics); copies are
-  gathered in one pass (:func:`~fusible_ops.kernels.moe_combine.gather_rows`) and summed back
+  placed in one pass that reads each token once
+  (:func:`~fusible_ops.kernels.moe_combine.scatter_copies`) and summed back
   over ``top_k`` in a fixed order.
 * Probabilities are float32 (the router's math is float32 whatever the activations' dtype);
   ``Combine`` weights the expert outputs by them in float32, summing each token's copies in one
@@ -39,7 +40,7 @@ import torch
 
 from ..grad import WeightGradMixin, deliver_weight_grad
 from ..kernels.gemm import linear_wgrad
-from ..kernels.moe_combine import combine_bwd, gather_rows, gather_sum
+from ..kernels.moe_combine import combine_bwd, gather_sum, scatter_copies
 from ..kernels.moe_router import expert_counts_ref, route, router_dlogits, sort_by_expert_ref
 from ..op import BasicOperation
 from .comm import GroupRef
@@ -511,7 +512,7 @@ class Dispatch(BasicOperation):
 
     def fuser_forward(self, ctxs, x, *, extra_inputs, routing: Routing = None, **kwargs):
         x2d = self.begin(ctxs[0], x, routing)
-        y = gather_rows(x2d, self.gather_index(routing))
+        y = scatter_copies(x2d, routing.inv_perm.view(-1, routing.top_k))  # (each token read once)
         return (y if routing.exchange is None else routing.exchange.to_experts(y)), [()]
 
     def fuser_backward(self, ctxs, dy, *, grad_extra_outputs, routing: Routing = None, **kwargs):

@@ -267,3 +267,50 @@ def test_gpu_gather_rows_t_large_fp8():
     index = torch.randint(0, 3000, (24001,), device="cuda")
     got = mc.gather_rows_t(x, index)
     assert torch.equal(got.view(torch.uint8), x.index_select(0, index).t().contiguous().view(torch.uint8))
+
+
+def _copies_case(t, k, h, dtype, seed):
+    """x [t, h] with strided rows, a permutation index [t, k], and the copies by gather: row r is
+    x[perm[r] // k] for perm the inverse of the index (the layer's perm / inv_perm)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, h + 5, generator=g) * 4)[:, :h].to(DEV).to(dtype)
+    inv = torch.randperm(t * k, generator=g).to(DEV)
+    perm = torch.argsort(inv)
+    return x, inv.view(t, k), x.index_select(0, torch.div(perm, k, rounding_mode="floor"))
+
+
+def _bytes(x):
+    return x.view(torch.uint8) if x.dtype.itemsize == 1 else x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("t,k,h", [(1, 1, 1), (9, 3, 37), (40, 8, 48), (5, 2, 1536), (33, 1, 19)])
+def test_scatter_copies_equals_the_gathered_copies(dtype, t, k, h, monkeypatch):
+    monkeypatch.setattr(mc, "ROWS_TILE", 256)  # several token blocks
+    x, index, want = _copies_case(t, k, h, dtype, seed=t + k)
+    for mode in ("triton", "reference"):
+        got = _run(mc.scatter_copies, mode, x, index)
+        assert got.dtype == dtype and got.shape == (t * k, h) and got.is_contiguous()
+        assert torch.equal(_bytes(got), _bytes(want))
+    assert _run(mc.scatter_copies, "triton", x[:0], index[:0]).shape == (0, h)
+    with pytest.raises(ValueError, match="index must be 2-D int64"):
+        mc.scatter_copies(x, index.reshape(-1))
+    with pytest.raises(ValueError, match="a row per row of x"):
+        mc.scatter_copies(x, torch.zeros(t + 1, k, dtype=torch.int64, device=DEV))
+
+
+@pytest.mark.gpu
+def test_gpu_scatter_copies_large_and_graph_replay():
+    x, index, want = _copies_case(24576, 8, 1536, torch.bfloat16, seed=3)
+    assert torch.equal(mc.scatter_copies(x, index), want)
+    # captured once, replayed with another permutation in the same index buffer
+    idx = index.clone()
+    mc.scatter_copies(x, idx)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mc.scatter_copies(x, idx)
+    x2, index2, want2 = _copies_case(24576, 8, 1536, torch.bfloat16, seed=4)
+    x.copy_(x2)
+    idx.copy_(index2)
+    graph.replay()
+    assert torch.equal(out, want2)
