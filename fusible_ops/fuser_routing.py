@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from .fuser_extensions import PlanExtension, register_plan_extension
 from .op import reads_fp8
-from .ops.moe import routing_layout
+from .ops.moe_routing import routing_layout
 from .quantization.tensor import Float8Tensor
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ def _install(fuser, plan: "Plan", layout, n_extra: int, recipe) -> None:
     RoutedSteps(plan, fuser.ops, layout).install(plan)
 
 
-# routing_layout (:func:`fusible_ops.ops.moe.routing_layout`): the MoE routing layout of a fuser's
+# routing_layout (:func:`fusible_ops.ops.moe_routing.routing_layout`): the MoE routing layout of a fuser's
 # ops, or None when no op has a ``routing_role`` (then the fuser's plans are not routed).
 register_plan_extension(PlanExtension("moe_routing", _install, layout=routing_layout, runs_steps=True))
 

@@ -47,7 +47,7 @@ import fusible_ops as fo
 from .cases import CASES, EPS, FP8_REL_ERR, Bench, BenchContext, Case, Lazy, _with_compile, fp8_variants, graphed, tuned
 from .cases_moe import grouped_mm_moe, moe_sequential
 from .common import is_fp8_variant
-from ..ops.moe import record_routing
+from ..ops.moe_routing import record_routing
 
 DENSE_CONFIGS = {
     "L2_d4096": dict(layers=2, d=4096, heads=32, f=14336, B=2, S=4096),
@@ -216,7 +216,7 @@ class RoutingLog:
     replays (after checking it, see SELECTION_SLACK). Upstream rounding (bf16, FP8) flips a near-tied
     k-th choice for a few percent of the tokens; each flip changes the update by that expert's
     share: an error of the routing's discontinuity, not of the numerics (the project's own
-    references replay :func:`fusible_ops.ops.moe.record_routing` logs for the same reason).
+    references replay :func:`fusible_ops.ops.moe_routing.record_routing` logs for the same reason).
 
     :meth:`recorded` wraps a variant: our Routers log through ``record_routing``, the plain
     layers through :meth:`add`. With ``source``: a variant whose Python does not run per call (CUDA

@@ -2,7 +2,7 @@
 
 A routed layer holds ``k`` copies of each of ``T`` tokens in an expert-ordered ``[N, H]`` tensor
 (``N = T * k``): copy ``j`` of token ``t`` is row ``index[t, j]`` (``index`` [T, k] int64, a
-permutation of ``0..N-1``, e.g. :class:`~fusible_ops.ops.moe.Routing`'s ``inv_perm`` viewed as
+permutation of ``0..N-1``, e.g. :class:`~fusible_ops.ops.moe_routing.Routing`'s ``inv_perm`` viewed as
 [T, k]).
 
 * :func:`gather_sum` -- ``out[t] = sum_j w[t, j] * src[index[t, j]]`` (``w`` None: weights 1).

@@ -50,7 +50,7 @@ def check_layout(owner: str, ref: GroupRef, experts: int, error: Optional[str], 
     """Every rank of the expert-parallel group compares its MoE layer with the others' (collective,
     one small all-gather and a host sync; the Dispatch runs it on its first call, and on every call
     while a rank has an error): the number of experts, and the layout error this rank found, if
-    any (:class:`~fusible_ops.ops.moe.RoutingLayout`'s ``ep_errors``). Raises the same
+    any (:class:`~fusible_ops.ops.moe_routing.RoutingLayout`'s ``ep_errors``). Raises the same
     :class:`RoutingError` on every rank when any rank has an error or the ranks disagree, so no
     rank is left waiting in an exchange its peers never join."""
     rows = agree_on(owner, ref, (experts, 0 if error is None else 1), device)  # (first call only, when all is well)

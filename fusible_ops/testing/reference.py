@@ -14,7 +14,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 
 from ..fuser import cpu_autograd
-from ..ops.moe import record_routing
+from ..ops.moe_routing import record_routing
 from .tolerances import BASELINE_ATOL, BASELINE_FACTOR, BASELINE_SAMPLES, TOLERANCES
 
 __all__ = [
@@ -295,7 +295,7 @@ def run_unfused(seq, *inputs):
 def _layout_of(seq):
     """(MoE routing layout of all of ``seq``'s basic ops or None, one empty Routing per MoE
     layer, 0: the running basic-op index)."""
-    from ..ops.moe import routing_layout
+    from ..ops.moe_routing import routing_layout
 
     layout = routing_layout(_basic_ops_in(seq))
     return layout, (layout.new_routings() if layout is not None else []), 0
