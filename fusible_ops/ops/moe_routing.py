@@ -16,13 +16,14 @@ from .moe_ep import RoutingError
 
 class Routing:
     """The routing of one MoE layer for one call (forward), or the channel of its gradient
-    (backward: ``dprobs``). Filled by :class:`Router` (``token_shape``, ``expert_ids`` [T, k]
-    int64, ``probs`` [T, k] float32, ``split_sizes`` [E] int64 on the device, ``probs_grad``)
-    and :class:`Dispatch` (``perm``: token-copy positions ``t * k + j`` sorted by expert, stably;
-    ``inv_perm`` its inverse; with an expert-parallel group also ``exchange``, the
-    :class:`~fusible_ops.ops.moe_ep.ExpertExchange`, and ``local_split_sizes`` [E / ep], the
-    routed ops' split sizes). Backward: ``fresh_dx``, Dispatch's input gradient, which Dispatch
-    allocated and no one else holds, so the Router adds its own gradient into it in place.)"""
+    (backward: ``dprobs``). Filled by :class:`~fusible_ops.ops.moe.Router` (``token_shape``,
+    ``expert_ids`` [T, k] int64, ``probs`` [T, k] float32, ``split_sizes`` [E] int64 on the device,
+    ``probs_grad``) and :class:`~fusible_ops.ops.moe.Dispatch` (``perm``: token-copy positions
+    ``t * k + j`` sorted by expert, stably; ``inv_perm`` its inverse; with an expert-parallel group
+    also ``exchange``, the :class:`~fusible_ops.ops.moe_ep.ExpertExchange`, and
+    ``local_split_sizes`` [E / ep], the routed ops' split sizes). Backward: ``fresh_dx``, Dispatch's
+    input gradient, which Dispatch allocated and no one else holds, so the Router adds its own
+    gradient into it in place."""
 
     __slots__ = ("num_experts", "top_k", "token_shape", "expert_ids", "probs", "split_sizes", "perm",
                  "inv_perm", "probs_grad", "dprobs", "selection_tol", "exchange", "local_split_sizes", "ep_error",
@@ -134,9 +135,9 @@ _RECORDS: list[list] = []  # open record_routing() blocks
 
 @contextlib.contextmanager
 def record_routing():
-    """Inside the block every :class:`Router` forward appends its expert ids [T, k] to the yielded
-    list, in call order (test helpers replay a run's routing in its float64 reference, where
-    upstream rounding could otherwise flip a near-tied top-k choice)."""
+    """Inside the block every :class:`~fusible_ops.ops.moe.Router` forward appends its expert ids
+    [T, k] to the yielded list, in call order (test helpers replay a run's routing in its float64
+    reference, where upstream rounding could otherwise flip a near-tied top-k choice)."""
     log: list = []
     _RECORDS.append(log)
     try:
