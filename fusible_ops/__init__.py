@@ -5,6 +5,13 @@ Chain basic ops in a :class:`Sequential`; its fuser replaces runs of adjacent op
 (:mod:`fusible_ops.grad`).
 """
 
+# torch imports torch._dynamo lazily, at the first call of a function it wraps (a dispatch mode, as
+# the replay recorder's, makes one). That import runs torch.fx.wrap, whose frame holds itself
+# (inspect.currentframe() in a local): a reference cycle that keeps the whole calling stack, a
+# model's forward and its parameters included, alive until the cyclic GC runs. Imported here,
+# outside any call.
+import torch._dynamo  # noqa: F401
+
 from . import kernels
 from .errors import check_errors, device_checks, set_device_checks
 from .fuser import OperationFuser

@@ -72,6 +72,46 @@ def _saved(module, io):
     return buf
 
 
+_FIRST_CALL_UNDER_A_DISPATCH_MODE = """
+import gc, sys, weakref, torch
+import fusible_ops as fo
+from torch.utils._python_dispatch import TorchDispatchMode
+
+class Passthrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+gc.disable()
+model = fo.Sequential(fo.Linear(8, 8), fo.GELU())
+refs = [weakref.ref(p) for p in model.parameters()] + [weakref.ref(model)]
+def step(m):  # (a frame holding the model, as a training loop's)
+    with Passthrough():
+        m(torch.randn(4, 8, requires_grad=True)).sum().backward()
+
+step(model)
+del model
+print(sum(r() is not None for r in refs))
+"""
+
+
+def test_first_call_under_a_dispatch_mode_in_a_fresh_process_frees_the_model():
+    """The first call under a dispatch mode in a process (the replay recorder is one) makes torch
+    import torch._dynamo, whose torch.fx.wrap leaves a frame cycle holding the calling stack. With
+    ``import fusible_ops`` having imported it, no model is caught in it (a fresh interpreter: this
+    one has imported torch._dynamo already)."""
+    import os
+    import subprocess
+    import sys
+
+    # (a plain process, as a user's: none of the suite's settings)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "FUSIBLE_OPS_"))}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    out = subprocess.run([sys.executable, "-c", _FIRST_CALL_UNDER_A_DISPATCH_MODE], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "0", f"objects outlive `del model`: {out.stdout}"
+
+
 @pytest.mark.gpu
 def test_deleted_cuda_model_frees_its_parameters_after_replayed_calls():
     """On CUDA a plan's calls are replayed from C++ from the second call (fusible_ops.replay): its
