@@ -377,6 +377,7 @@ def cast_block_ref(x: torch.Tensor, square: bool, pow2: bool = False, transposed
 
 _CAST_TENSOR = DirectKernel(_cast_tensor_kernel) if HAS_TRITON else None
 _DELAYED_UPDATE = DirectKernel(_delayed_update_kernel) if HAS_TRITON else None
+_CAST_BLOCK = DirectKernel(_cast_block_kernel) if HAS_TRITON else None
 
 
 def _cast_tensor_launch(x2, scale, dtype, transposed, amax, from_amax=False, inv=None):
@@ -403,10 +404,11 @@ def _cast_block_launch(x2, square, pow2, transposed, dtype):
     if m and k:
         t_args = (qt, st) if transposed else (q, s)
         bm, warps = BLOCK_CFG[square, transposed]
-        _cast_block_kernel[(cdiv(m, bm), cdiv(k, BLOCK))](
-            x2, q, s, *t_args, x2, m, k, x2.stride(0), s.stride(0), s.stride(1), t_args[1].stride(0),
-            t_args[1].stride(1), FMAX=_FMAX[dtype], SQUARE=square, POW2=pow2, HAS_T=transposed, SOFT_ROUND=interpreter_enabled(), BLOCK=BLOCK,
-            BLOCK_M=bm, num_warps=warps)
+        args = (x2, q, s, *t_args, x2, m, k, x2.stride(0), s.stride(0), s.stride(1), t_args[1].stride(0),
+                t_args[1].stride(1))
+        meta = dict(FMAX=_FMAX[dtype], SQUARE=square, POW2=pow2, HAS_T=transposed, SOFT_ROUND=interpreter_enabled(),
+                    BLOCK=BLOCK, BLOCK_M=bm, MAPPED=False, num_warps=warps)
+        _CAST_BLOCK((cdiv(m, bm), cdiv(k, BLOCK)), generic_key(args, meta), args, meta)
     return q, s, qt, st
 
 
@@ -418,10 +420,10 @@ def _cast_block_mapped_launch(x2, rowmap, pow2, dtype):
     qt = torch.empty(k, mp, dtype=dtype, device=x2.device)
     st = torch.empty(cdiv(mp, BLOCK), k, device=x2.device, dtype=torch.float32).t()
     if mp and k:
-        _cast_block_kernel[(cdiv(mp, BLOCK), cdiv(k, BLOCK))](
-            x2, q, s, qt, st, rowmap, mp, k, x2.stride(0), s.stride(0), s.stride(1), st.stride(0), st.stride(1),
-            FMAX=_FMAX[dtype], SQUARE=False, POW2=pow2, HAS_T=True, SOFT_ROUND=interpreter_enabled(), BLOCK=BLOCK,
-            BLOCK_M=BLOCK, MAPPED=True, num_warps=BLOCK_CFG[False, True][1])
+        args = (x2, q, s, qt, st, rowmap, mp, k, x2.stride(0), s.stride(0), s.stride(1), st.stride(0), st.stride(1))
+        meta = dict(FMAX=_FMAX[dtype], SQUARE=False, POW2=pow2, HAS_T=True, SOFT_ROUND=interpreter_enabled(),
+                    BLOCK=BLOCK, BLOCK_M=BLOCK, MAPPED=True, num_warps=BLOCK_CFG[False, True][1])
+        _CAST_BLOCK((cdiv(mp, BLOCK), cdiv(k, BLOCK)), generic_key(args, meta), args, meta)
     return q, s, qt, st
 
 

@@ -40,7 +40,7 @@ from . import HAS_TRITON, use_triton
 from .fp8_cast import cast_block_mapped
 from .fp8_gemm import fp8_capable
 from .grouped_gemm import grouped_gemm_fwd_ref, grouped_gemm_wgrad_ref
-from .launch import TunedKernel, cdiv, dot_precision, kernel_op
+from .launch import DirectKernel, TunedKernel, cdiv, dot_precision, generic_key, kernel_op
 from .persistent import (INTERP_MN, INTERP_WG, check_splits, group_p2, persistent_grid, tma_ok, wgrad_grid,
                          wgrad_tma_out)
 
@@ -307,6 +307,7 @@ if HAS_TRITON:
                                   (_MM_BLOCK_CONFIGS[0], _MM_BLOCK_CONFIGS[0]), INTERP_MN)
     WGRAD_BLOCK_KERNEL = TunedKernel(_fp8_ggemm_wgrad_kernel, _WG_BLOCK_CONFIGS, _WG_KEY,
                                      (_WG_BLOCK_CONFIGS[0], _WG_BLOCK_CONFIGS[0]), INTERP_WG, restore_value=["out_ptr"])
+    _ROWMAP = DirectKernel(_padded_rowmap_kernel)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -423,7 +424,8 @@ def padded_rowmap(split_sizes: torch.Tensor, M: int) -> torch.Tensor:
         return padded_rowmap_ref(split_sizes, M)
     MP = padded_rows(M, G)
     rowmap = torch.empty(MP, dtype=torch.int32, device=split_sizes.device)
-    _padded_rowmap_kernel[(MP // 128,)](split_sizes, rowmap, G, M, MP, G_P2=group_p2(G), num_warps=1)
+    args, meta = (split_sizes, rowmap, G, M, MP), dict(G_P2=group_p2(G), num_warps=1)
+    _ROWMAP((MP // 128,), generic_key(args, meta), args, meta)
     return rowmap
 
 
