@@ -2,12 +2,14 @@
 ``Dispatch.ep_chunks`` chunks, each chunk's all-to-all overlapping another chunk's expert GEMMs)
 against ONE process running the whole layer on every rank's tokens at once.
 
-On CPU (gloo, float64) the match is exact: each chunk's GEMMs see the rows of its experts in the
-order the single process's GEMMs see them, so outputs, input gradients and the local experts'
-weight and bias gradients are bit for bit those of the single process (whose plan runs the same
-unfused ops: the single process's fused grouped MLP would be a different kernel, not a different
-layer). On GPUs (NCCL, float32) the chunks' GEMMs may tile differently: judged by the tolerance
-table. Also: the gradient contract through the fused op (main_grad, delayed, frozen), FP8
+Each chunk's GEMMs see the rows of its experts in the order the single process's GEMMs see
+them (whose plan runs the same unfused ops: the single process's fused grouped MLP would be a
+different kernel, not a different layer), but a chunk's GEMM has fewer rows than the single
+process's, and a BLAS may pick another kernel (another summation order) for another size: on
+CPU (gloo, float64) as on GPUs (NCCL, float32) outputs, input gradients and the local experts'
+weight and bias gradients are judged by the tolerance table of their dtype. Bit equality is
+asserted only where the same ops run on the same shapes (the gradient contract: the unfused
+exchange against the overlapped one, expert by expert). Also: the gradient contract through the fused op (main_grad, delayed, frozen), FP8
 (declined: the unfused exchange runs) and bad settings.
 """
 
@@ -58,11 +60,10 @@ def _same(actual, expected, exact: bool, dtype, what: str) -> None:
 def one_step_equals_one_process(full, ep, mine, data, rank, world, experts, what) -> bool:
     """One training step of this rank's EP layer ``ep`` against ``full`` run on every rank's tokens
     at once (``data``: per rank (x, dy)): outputs, input gradients, the local experts' weight and
-    bias gradients; bit for bit on CPU, by the tolerance table on GPUs. Returns whether some
+    bias gradients, by the tolerance table (the GEMMs have other row counts). Returns whether some
     expert got no copy from some rank (asserted to occur by the callers)."""
     x, dy = data[rank]
     device, dtype = x.device, x.dtype
-    exact = device.type == "cpu"
     for p in (*full.parameters(), *ep.parameters()):
         p.grad = None
     y_ref, dx_ref = _single_process(full, data)[rank]
@@ -74,11 +75,11 @@ def one_step_equals_one_process(full, ep, mine, data, rank, world, experts, what
     counts = torch.bincount(log[0].reshape(-1), minlength=experts)
     every = torch.empty(world * experts, dtype=counts.dtype, device=device)
     dist.all_gather_into_tensor(every, counts.to(device), group=dist.group.WORLD)
-    _same(y.reshape(-1, H), y_ref, exact, dtype, f"output ({what})")
-    _same(x.grad.reshape(-1, H), dx_ref, exact, dtype, f"input grad ({what})")
+    assert_close_scaled(y.reshape(-1, H), y_ref, dtype, f"output ({what})")
+    assert_close_scaled(x.grad.reshape(-1, H), dx_ref, dtype, f"input grad ({what})")
     for i in (2, 4):
-        _same(ep[i].weight.grad, full[i].weight.grad[mine], exact, dtype, f"expert weight {i} grad ({what})")
-        _same(ep[i].bias.grad, full[i].bias.grad[mine], exact, dtype, f"expert bias {i} grad ({what})")
+        assert_close_scaled(ep[i].weight.grad, full[i].weight.grad[mine], dtype, f"expert weight {i} grad ({what})")
+        assert_close_scaled(ep[i].bias.grad, full[i].bias.grad[mine], dtype, f"expert bias {i} grad ({what})")
     return bool((every == 0).any())
 
 
