@@ -95,3 +95,23 @@ def test_expert_parallel_overlap_declines_an_odd_glu_width():
     assert moe_ep_overlap._check(ops, ctx) == "SwiGLU needs an even input width, FC1 gives 33"
     ops[1] = fo.GroupedLinear(2, 8, 32)
     assert moe_ep_overlap._check(ops, ctx) is None
+
+
+def test_a_module_after_a_loss_raises_naming_the_loss():
+    want = r"^CrossEntropy: a loss must be the last op of a Sequential, but module \[2\] Linear follows it"
+    for bias in (True, False):  # (bias=False: the linear_cross_entropy rule would match ops 0-1)
+        with pytest.raises(ValueError, match=want):
+            fo.Sequential(fo.Linear(64, 64, bias=bias), fo.CrossEntropy(), fo.Linear(64, 64))
+    with pytest.raises(ValueError, match=r"module \[1\] Linear follows it \(it ends module \[0\] Sequential\)"):
+        fo.Sequential(fo.Sequential(fo.Linear(64, 64), fo.CrossEntropy()), fo.Linear(64, 64))
+    with pytest.raises(ValueError, match=r"^CrossEntropy: .* module \[2\] Identity follows it"):
+        fo.Sequential(fo.Linear(64, 64), fo.CrossEntropy(), torch.nn.Identity())
+    seq = fo.Sequential(fo.Linear(64, 64), fo.CrossEntropy())
+    seq.append(fo.ConstantScale(2.0))  # (built by append: raises at the next call)
+    with pytest.raises(ValueError, match=r"^CrossEntropy: .* module \[2\] ConstantScale follows it"):
+        seq(torch.randn(8, 64), torch.randint(0, 64, (8,)))
+    with pytest.raises(ValueError, match=r"^CrossEntropy: .* op \[1\] GELU follows it"):
+        fo.OperationFuser([fo.CrossEntropy(), fo.GELU()])
+    del seq[2]  # a loss at the end runs
+    assert seq(torch.randn(8, 64), torch.randint(0, 64, (8,))).dim() == 0
+    fo.Sequential(fo.Linear(64, 64), fo.Sequential(fo.Linear(64, 64), fo.CrossEntropy()))  # (ends with it)
