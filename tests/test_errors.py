@@ -115,3 +115,31 @@ def test_a_module_after_a_loss_raises_naming_the_loss():
     del seq[2]  # a loss at the end runs
     assert seq(torch.randn(8, 64), torch.randint(0, 64, (8,))).dim() == 0
     fo.Sequential(fo.Linear(64, 64), fo.Sequential(fo.Linear(64, 64), fo.CrossEntropy()))  # (ends with it)
+
+
+@pytest.mark.parametrize("norm", [fo.RMSNorm, fo.LayerNorm])
+def test_norms_take_the_parameters_dtype_or_16_bits_under_float32(norm):
+    """docs/ops.md: a dtype other than the parameters' raises a TypeError naming the op; float32
+    parameters also take bf16/fp16 input (their math runs in float32). On every path: inference,
+    under PyTorch's autograd, the ops' own backward, and the residual add fused in front."""
+    name = norm.__name__
+    cases = [(torch.float32, torch.float64), (torch.bfloat16, torch.float32), (torch.float64, torch.float32),
+             (torch.bfloat16, torch.float16)]
+    for pdtype, xdtype in cases:
+        seqs = (fo.Sequential(norm(8, dtype=pdtype)), fo.Sequential(fo.AddExtraInput(), norm(8, dtype=pdtype)))
+        for seq in seqs:
+            extra = (torch.randn(4, 8, dtype=xdtype),) if len(seq) == 2 else ()
+            for grad in (True, False):
+                with torch.set_grad_enabled(grad), cpu_autograd(grad):
+                    with pytest.raises(TypeError, match=rf"^{name}: input dtype {xdtype} does not match parameter "
+                                                        rf"dtype {pdtype}"):
+                        seq(torch.randn(4, 8, dtype=xdtype), *extra)
+    for xdtype in (torch.bfloat16, torch.float16, torch.float32):
+        seq = fo.Sequential(fo.AddExtraInput(), norm(8))
+        x = torch.randn(4, 8, dtype=xdtype, requires_grad=True)
+        y = seq(x, torch.randn(4, 8, dtype=xdtype))
+        y.float().sum().backward()
+        assert y.dtype == x.grad.dtype == xdtype and seq[1].weight.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (a bf16 GEMM output into float32 parameters)
+        seq = fo.Sequential(fo.Linear(8, 8), norm(8))
+        assert seq(torch.randn(4, 8)).dtype == torch.bfloat16
