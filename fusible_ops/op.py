@@ -350,6 +350,13 @@ def loss_not_last(loss: BasicOperation, follower: str, where: str = "") -> Value
                       f"it{where}; use the loss outside the Sequential")
 
 
+def check_loss_last(ops) -> None:
+    """Raise :func:`loss_not_last`'s error if a loss among basic ``ops`` (a fuser's) is not the last."""
+    for i, op in enumerate(ops[:-1]):
+        if op.is_loss:
+            raise loss_not_last(op, f"op [{i + 1}] {type(ops[i + 1]).__name__}")
+
+
 def _has_tensor(op: torch.nn.Module, name: str) -> bool:
     try:
         return getattr(op, name) is not None
