@@ -39,7 +39,7 @@ from .fuser_params import reader as _reader
 from .grad import check_flagged_ops, contract_weights, gate_weights, scheduler_active, watch_plain_weights
 from .kernels import current_mode, set_mode
 from .op import STATE_EPOCH as _STATE_EPOCH
-from .op import BasicOperation, OperationContext, set_fuser_factory
+from .op import BasicOperation, OperationContext, check_loss_last, set_fuser_factory
 from .quantization.recipes import current_recipe
 from .quantization.recipes import scope as fp8_scope
 from .quantization.recipes import state as fp8_state
@@ -93,6 +93,7 @@ class OperationFuser:
         for op in ops:
             if not isinstance(op, BasicOperation):
                 raise TypeError(f"OperationFuser takes basic ops, got {type(op).__name__}")
+        check_loss_last(ops)
         self.ops = ops
         self.rules = rules
         # The plan extensions' layouts of these ops and their per-plan hooks, found once, here.

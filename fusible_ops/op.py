@@ -218,6 +218,10 @@ class BasicOperation(FusibleOperation):
 
     num_extra_inputs: int = 0
     num_extra_outputs: int = 0
+    is_loss: bool = False
+    """True for a loss (:class:`~fusible_ops.CrossEntropy`): its output is the loss, not an input any
+    op takes, so it must be the last op of its :class:`~fusible_ops.Sequential` (or fuser);
+    anything after it raises :func:`loss_not_last`'s error when the chain is built."""
     extra_input_names: tuple[str, ...] = ()
     """The names of the extra inputs, in order, by which a :class:`~fusible_ops.Sequential` accepts
     them as keywords (``seq(x, residual=r)``; e.g. ``AddExtraInput``: ``("residual",)``). Empty
@@ -337,6 +341,20 @@ class BasicOperation(FusibleOperation):
 
     def extra_repr(self) -> str:
         return ""
+
+
+def loss_not_last(loss: BasicOperation, follower: str, where: str = "") -> ValueError:
+    """The error for a loss (:attr:`BasicOperation.is_loss`) that ``follower`` (the module or op
+    after it, described) follows; ``where``: where the loss is, when that is not plain."""
+    return ValueError(f"{type(loss).__name__}: a loss must be the last op of a Sequential, but {follower} follows "
+                      f"it{where}; use the loss outside the Sequential")
+
+
+def check_loss_last(ops) -> None:
+    """Raise :func:`loss_not_last`'s error if a loss among basic ``ops`` (a fuser's) is not the last."""
+    for i, op in enumerate(ops[:-1]):
+        if op.is_loss:
+            raise loss_not_last(op, f"op [{i + 1}] {type(ops[i + 1]).__name__}")
 
 
 def _has_tensor(op: torch.nn.Module, name: str) -> bool:

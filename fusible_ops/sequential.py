@@ -11,7 +11,7 @@ from .quantization.report import fp8_lines
 from . import fuser as _fuser
 from .extra_inputs import NameTable
 from .fuser import OperationFuser
-from .op import BasicOperation, FusibleOperation
+from .op import BasicOperation, FusibleOperation, loss_not_last
 from .rules import RuleSet, find_near_misses, group_near_misses
 from .tuning import notes_lines
 
@@ -21,6 +21,26 @@ def _basic_ops_of(module: torch.nn.Module) -> Optional[list[BasicOperation]]:
     if isinstance(module, FusibleOperation):
         return list(module.basic_ops)
     return None
+
+
+def _loss_at_end(m: torch.nn.Module) -> Optional[BasicOperation]:
+    """The loss whose output is ``m``'s (a fusible op that ends with a loss, or a Sequential whose
+    last module does), or None."""
+    if isinstance(m, FusibleOperation):
+        ops = m.basic_ops
+        return ops[-1] if ops and ops[-1].is_loss else None
+    if isinstance(m, Sequential) and len(m._modules):
+        return _loss_at_end(next(reversed(m._modules.values())))
+    return None
+
+
+def _check_loss_last(mods: list) -> None:
+    """A loss must be the last module: raise naming it if any module follows one."""
+    for i, m in enumerate(mods[:-1]):
+        loss = _loss_at_end(m)
+        if loss is not None:
+            where = "" if m is loss else f" (it ends module [{i}] {type(m).__name__})"
+            raise loss_not_last(loss, f"module [{i + 1}] {type(mods[i + 1]).__name__}", where)
 
 
 def _has_hooks(m: torch.nn.Module) -> bool:
@@ -186,6 +206,7 @@ class Sequential(torch.nn.Module):
         for i, m in enumerate(modules):
             self._check_module(m)
             self.add_module(str(i), m)
+        _check_loss_last(list(modules))  # (here, not at the first call: a chain that can never run)
         # Built now, so that a first call traced by torch.compile finds them made: dynamo guards on
         # what the trace reads, and a trace that built them would recompile on the next call. (An
         # invalid chain raises at the first call, as one built by append() does.)
@@ -298,6 +319,7 @@ class Sequential(torch.nn.Module):
         Rebuilt when a module gains or loses hooks."""
         sig = self._hook_signature()
         if self._stages is None or sig != self._hook_sig:
+            _check_loss_last(list(self._modules.values()))  # (after append(), insert()...)
             hooked = [sig] * len(self._modules) if type(sig) is bool else sig
             stages, run, run_idx = [], [], []
 

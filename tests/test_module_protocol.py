@@ -193,6 +193,18 @@ def test_repr_and_docstrings():
     assert "first half" in fo.SwiGLU.__doc__
 
 
+def test_grouped_linear_docstring_says_what_block_scaling_runs():
+    """Block scaling runs FP8 grouped GEMMs (as docs/fp8.md says; its accuracy: test_fp8_grouped.py):
+    the output is not the high-precision one, and the docstring no longer says it is (issue 63)."""
+    lin = fo.GroupedLinear(2, 128, 128, bias=False)
+    x, splits = torch.randn(40, 128), torch.tensor([15, 25])
+    with fo.autocast(recipe=fo.Float8BlockScaling()):
+        y = lin(x, splits)
+    assert not torch.equal(y, lin(x, splits))
+    doc = " ".join(fo.GroupedLinear.__doc__.split())
+    assert "high precision" not in doc and "FP8 under every recipe" in doc
+
+
 def test_linear_parameters_single_owner():
     lin = fo.Linear(4, 3)
     assert [n for n, _ in lin.named_parameters()] == ["weight", "bias"]

@@ -25,7 +25,7 @@ from ..kernels import activation as _K
 from ..kernels import use_triton
 from ..kernels.activation_ref import act_native
 from ..op import FusedOperation
-from ..ops.activation import ACTIVATION_CLASSES, Activation
+from ..ops.activation import ACTIVATION_CLASSES, Activation, check_gated_width
 from ..ops.linear import BasicLinear, Bias
 from ..ops.misc import Dropout
 from ..ops.validation import check_input, native_dtype_ok
@@ -62,6 +62,11 @@ class ForwardLinearBiasActivation(FusedOperation):
         super().__init__(ops)
         self.roles = _split(ops)
         self._no_extras = [()] * len(ops)
+        # A gated activation after the linear: its input is the GEMM's output, of the linear's
+        # out_features (fixed for the plan). An odd one is checked on every call of the native path
+        # (the activation's own check_input runs on the others), before the GEMM.
+        lin, act = self.roles["linear"][0], self.roles["act"][0]
+        self._odd_glu = lin is not None and act is not None and act.gated and lin.out_features % 2 != 0
 
     @property
     def replayable(self) -> bool:  # (see FusibleOperation.replayable; a dropout's seed is drawn per call)
@@ -73,7 +78,7 @@ class ForwardLinearBiasActivation(FusedOperation):
         if (lin is not None and drop is None and not ctxs[0].requires_grad
                 and native_dtype_ok(x, act is not None and act.gated)
                 and type(x) is not Float8Tensor and current_recipe() is None and not use_triton(x)):
-            return self._native(ctxs[li], x, lin, bias, act), self._no_extras
+            return self._native(ctxs[li], x, lin, bias, act, self._odd_glu), self._no_extras
         if lin is not None:
             if act is None or not use_triton(x):  # the bias in the GEMM's epilogue (addmm)
                 bias.check_input(x, shape=(*x.shape[:-1], lin.out_features))
@@ -111,11 +116,12 @@ class ForwardLinearBiasActivation(FusedOperation):
         return y, self._no_extras
 
     @staticmethod
-    def _native(lctx, x, lin, bias, act):
+    def _native(lctx, x, lin, bias, act, odd_glu):
         """Reference math that fills no ctx (a call under PyTorch's autograd, or inference; dtypes
         as :func:`~fusible_ops.ops.validation.native_dtype_ok`), no FP8, no dropout:
         ``act(x @ w.T + b)`` with torch's ops, the bias in the GEMM (``addmm``), as the generic
-        path computes it, without its ctx bookkeeping."""
+        path computes it, without its ctx bookkeeping. ``odd_glu``: the activation is gated and
+        the linear's width odd (it raises as the activation would, before the GEMM)."""
         w = lctx.gated_weight  # (set under PyTorch's autograd: see ContractGate)
         if w is None:
             w = lin.weight
@@ -126,6 +132,8 @@ class ForwardLinearBiasActivation(FusedOperation):
             if bias.size != lin.out_features:  # (else the output's last dim is the bias's size)
                 bias.check_input(x, shape=(*x.shape[:-1], lin.out_features))  # (raises)
             check_input(bias, x, like=b)  # dtype and device of the bias
+        if odd_glu:
+            check_gated_width(act, (*x.shape[:-1], lin.out_features))  # (raises)
         z = torch._C._nn.linear(x, w, b)  # (F.linear)
         return z if act is None else act_native(z, act.kind)
 

@@ -187,6 +187,8 @@ def _check(ops, ctx):
                 "expert-parallel ops run")
     if fc1.num_groups != fc2.num_groups:
         return f"FC1 has {fc1.num_groups} groups, FC2 {fc2.num_groups}"
+    if act.gated and fc1.out_features % 2:  # (the unfused activation raises its own error)
+        return f"{type(act).__name__} needs an even input width, FC1 gives {fc1.out_features}"
     if act.out_features(fc1.out_features) != fc2.in_features:
         return f"{type(act).__name__} gives {act.out_features(fc1.out_features)} features, FC2 takes {fc2.in_features}"
     return None

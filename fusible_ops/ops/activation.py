@@ -24,6 +24,14 @@ from .validation import native_dtype_ok
 from .validation import check_input
 
 
+def check_gated_width(op, shape) -> None:
+    """Raise naming ``op`` (a gated activation) unless ``shape``, its input's shape, has an even
+    last dim. The one width check of every path that runs a gated activation: the op's own
+    :meth:`~Activation.check_input`, and fused ops that compute its input themselves (a linear's
+    output: its shape is known before the GEMM runs)."""
+    if len(shape) == 0 or shape[-1] % 2 != 0:
+        raise ValueError(f"{type(op).__name__}: the input's last dim must be even, got shape {list(shape)}")
+
 
 class Activation(BasicOperation):
     """Base class of the elementwise activations. ``kind`` names the kernel's activation."""
@@ -41,8 +49,8 @@ class Activation(BasicOperation):
     def check_input(self, x: torch.Tensor) -> None:
         """Raise a clear error if ``x`` cannot be this activation's input."""
         check_input(self, x)
-        if self.gated and (x.dim() == 0 or x.shape[-1] % 2 != 0):
-            raise ValueError(f"{type(self).__name__}: the input's last dim must be even, got shape {list(x.shape)}")
+        if self.gated:
+            check_gated_width(self, x.shape)
 
     def out_features(self, n: int) -> int:
         return n // 2 if self.gated else n
@@ -213,8 +221,7 @@ class ScaledSwiGLU(BasicOperation):
         """Validate ``scales`` for input ``x``: shape ``x.shape[:-1]`` or flat ``[rows]``.
         Returns them viewed as ``x.shape[:-1]`` (gradients go back in the scales' own shape)."""
         check_input(self, x)
-        if x.dim() == 0 or x.shape[-1] % 2 != 0:
-            raise ValueError(f"ScaledSwiGLU: the input's last dim must be even, got shape {list(x.shape)}")
+        check_gated_width(self, x.shape)
         if not isinstance(scales, torch.Tensor) or not scales.is_floating_point():
             raise TypeError("ScaledSwiGLU: scales must be a floating-point tensor")
         if scales.device != x.device:

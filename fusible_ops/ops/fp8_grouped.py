@@ -1,9 +1,10 @@
-"""FP8 forward and backward of :class:`~fusible_ops.GroupedLinear` (per-tensor recipes).
+"""FP8 forward and backward of :class:`~fusible_ops.GroupedLinear` (every recipe).
 
-Under :func:`fusible_ops.autocast` with :class:`~fusible_ops.Float8CurrentScaling` or
-:class:`~fusible_ops.Float8DelayedScaling`, the three grouped GEMMs run in FP8 with fp32
-accumulation (:mod:`fusible_ops.kernels.fp8_grouped_gemm`), each operand in the K-major layout
-Hopper's FP8 MMA reads:
+Under :func:`fusible_ops.autocast` with any recipe (:class:`~fusible_ops.Float8CurrentScaling`,
+:class:`~fusible_ops.Float8DelayedScaling`, or :class:`~fusible_ops.Float8BlockScaling`: its
+scales below), the three grouped GEMMs run in FP8 with fp32 accumulation
+(:mod:`fusible_ops.kernels.fp8_grouped_gemm`), each operand in the K-major layout Hopper's FP8 MMA
+reads:
 
 * forward ``y = x_g @ w_g.T``: x cast row-wise (plus its column-wise copy [K, M] in the same pass
   when the weight needs a gradient), the experts' weights from the weight cache (one cast of all

@@ -83,9 +83,10 @@ class GroupedLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
     group offsets computed on the device (no host sync: CUDA-graph capturable with CUDA split
     sizes). A ``main_grad`` must be one buffer viewable as [G, out, in] without a copy.
 
-    Inside :func:`fusible_ops.autocast` with a per-tensor recipe (current or delayed scaling) the
-    three grouped GEMMs run in FP8 (see :mod:`fusible_ops.ops.fp8_grouped`); block scaling runs
-    them in high precision.
+    Inside :func:`fusible_ops.autocast` the three grouped GEMMs run in FP8 under every recipe (see
+    :mod:`fusible_ops.ops.fp8_grouped`): one scale per tensor under current or delayed scaling;
+    1x128 tiles of x and dy and 128x128 blocks of each expert's weight under block scaling, which
+    needs ``in_features`` and ``out_features`` divisible by 128.
     """
 
     num_extra_inputs = 1

@@ -37,12 +37,16 @@ class CrossEntropy(BasicOperation):
     * ``logit_softcap``: the logits go through ``softcap * tanh(logits / softcap)`` first, as in
       Gemma 2.
 
-    Before a ``BasicLinear`` (``fo.Linear(d, V, bias=False)``) the rule ``linear_cross_entropy``
+    A loss is the last op of its ``Sequential`` (a nested ``Sequential`` that ends with it is the
+    outer one's last module): any module after it raises a ``ValueError`` naming this op.
+
+    After a ``BasicLinear`` (``fo.Linear(d, V, bias=False)``) the rule ``linear_cross_entropy``
     fuses both and never materializes the ``[T, V]`` logits (see docs/ops.md, "LM head").
     """
 
     num_extra_inputs = 1
     extra_input_names = ("targets",)  # (Sequential accepts it by this name: seq(x, targets=...))
+    is_loss = True  # (the last op of its Sequential: anything after it raises when the chain is built)
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  z_loss_coeff: float = 0.0, logit_softcap: Optional[float] = None) -> None:

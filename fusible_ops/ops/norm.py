@@ -1,5 +1,6 @@
-"""LayerNorm and RMSNorm over the last dim. Parameters may be float32 while the input is
-bf16/fp16 (the math runs in fp32; the output has the input's dtype).
+"""LayerNorm and RMSNorm over the last dim. The input has the parameters' dtype, or is bf16/fp16
+with float32 parameters (the math runs in fp32; the output has the input's dtype); any other
+dtype raises a ``TypeError`` naming the op.
 
 Context contract: ``saved_tensors == (xsum, weight, mean, rstd)`` (``mean`` is ``None`` for
 RMSNorm) where ``xsum`` is the normalized tensor (the input, or input + residual when a fused
@@ -43,7 +44,7 @@ class _Norm(BasicOperation):
 
     def check_input(self, x: torch.Tensor) -> None:
         """Raise a clear error if ``x`` cannot be this norm's input."""
-        check_input(self, x, features=self.size, like=self.weight, same_dtype=False)
+        check_input(self, x, features=self.size, like=self.weight, wide_params=True)
 
     writes_fp8_output = True  # serves a following FP8 linear from its own kernel (see norm_forward)
     cpu_autograd = True  # (see FusibleOperation.cpu_autograd)
@@ -57,7 +58,7 @@ class _Norm(BasicOperation):
         :class:`~fusible_ops.quantization.InputQuantizer`) y is that linear's FP8 input, written by
         the norm kernel itself."""
         w = self.weight  # (each parameter read once per call: reads go through Module.__getattr__)
-        check_input(self, x, features=self.size, like=w, same_dtype=False)
+        check_input(self, x, features=self.size, like=w, wide_params=True)
         bias = None if self._IS_RMS else self.bias
         if (not ctx.requires_grad and quant is None and x.dtype in _NATIVE_DTYPES and w.dtype is x.dtype
                 and (bias is None or bias.dtype is x.dtype) and not use_triton(x, w)):

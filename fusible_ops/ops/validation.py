@@ -20,12 +20,18 @@ def native_dtype_ok(x: torch.Tensor, gated: bool) -> bool:
     return x.dtype in NATIVE_DTYPES or (x.is_cuda and not gated and x.dtype in FLOAT_DTYPES)
 
 
+WIDE_PARAM_INPUTS = (torch.float16, torch.bfloat16)
+"""Input dtypes that float32 parameters of an op with ``wide_params`` (the norms, whose math runs
+in float32) also take: :func:`check_input`."""
+
+
 def check_input(op, x: torch.Tensor, *, features: Optional[int] = None, like: Optional[torch.Tensor] = None,
-                same_dtype: bool = True, shape=None) -> None:
+                wide_params: bool = False, shape=None) -> None:
     """Raise a clear error for a bad input: not floating point, wrong last dim, or a dtype /
-    device that does not match the op's parameter ``like``. ``shape`` (optional) is checked in
-    place of ``x.shape``: a fused op validates an input it has not computed yet (same dtype and
-    device as ``x``) without allocating it."""
+    device that does not match the op's parameter ``like`` (``wide_params``: float32 parameters
+    also take a :data:`WIDE_PARAM_INPUTS` input). ``shape`` (optional) is checked in place of
+    ``x.shape``: a fused op validates an input it has not computed yet (same dtype and device as
+    ``x``) without allocating it."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{type(op).__name__}: input must be a tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -37,8 +43,10 @@ def check_input(op, x: torch.Tensor, *, features: Optional[int] = None, like: Op
         gd = x.get_device()  # (an int: cheaper than comparing devices; -1 off CUDA)
         if gd != like.get_device() or (gd < 0 and _other_device(x, like)):
             raise RuntimeError(f"{type(op).__name__}: input is on {x.device} but the op's parameters are on {like.device}")
-        if same_dtype and x.dtype != like.dtype:
-            raise TypeError(f"{type(op).__name__}: input dtype {x.dtype} does not match parameter dtype {like.dtype}")
+        if x.dtype != like.dtype and not (wide_params and like.dtype == torch.float32 and x.dtype in WIDE_PARAM_INPUTS):
+            also = " (float32 parameters also take float16 / bfloat16 input)" if wide_params else ""
+            raise TypeError(f"{type(op).__name__}: input dtype {x.dtype} does not match parameter dtype {like.dtype}"
+                            f"{also}")
 
 
 def check_same(op, what: str, t: torch.Tensor, x: torch.Tensor, *, shape: bool = True) -> None:
