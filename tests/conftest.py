@@ -10,6 +10,13 @@
   when it reaches :class:`fusible_ops.kernels.InterpreterRequired` (it runs in CPU CI; the
   ``gpu`` tests cover the same kernels on the device).
 * Launch-geometry caches are emptied around each test (tests change tiling constants).
+* CPU threads: each xdist worker takes its share of the cores (``torch.set_num_threads``), so
+  that workers times threads never exceeds the cores (oversubscribed OpenMP threads spin against
+  each other: on 2 cores, 2 workers of 2 threads ran the bench tests 5x slower). An explicit
+  ``OMP_NUM_THREADS`` is kept.
+* torch.compile's on-disk cache is private to the run (``TORCHINDUCTOR_CACHE_DIR``, set before the
+  workers start, so they share it): kernels compiled by an earlier run under other CPU settings
+  (e.g. ``ATEN_CPU_CAPABILITY``) were loaded by later runs and corrupted the heap.
 * Hypothesis runs a fixed, derandomized profile (``ci``) with bounded examples
   (``HYPOTHESIS_PROFILE=dev`` for more). Users' projects have no such profile: the README recipe
   uses ``fusible_ops.testing.fusion_settings()`` instead (tests/test_testing_helpers.py runs it
@@ -17,6 +24,8 @@
 """
 
 import os
+import shutil
+import tempfile
 
 import torch
 
@@ -30,6 +39,17 @@ os.environ.setdefault("FUSIBLE_OPS_NATIVE_MAX_NUMEL", "0")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        return os.cpu_count() or 1
+
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(max(1, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 settings.register_profile(
     "ci",
@@ -95,13 +115,27 @@ def pytest_runtest_call(item):
         outcome.force_exception(skipped)
 
 
+_OWN_INDUCTOR_CACHE = None
+
+
 def pytest_configure(config):
-    """GPU runs: build the C++ replay extension once, in the main process, before xdist's workers
-    start, so they do not all compile it at once on a fresh machine."""
-    if torch.cuda.is_available() and not hasattr(config, "workerinput"):
+    """In the main process, before xdist's workers start: a private torch.compile cache for the
+    run (see the module docstring); GPU runs: build the C++ replay extension once, so the workers
+    do not all compile it at once on a fresh machine."""
+    global _OWN_INDUCTOR_CACHE
+    if hasattr(config, "workerinput"):
+        return
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        _OWN_INDUCTOR_CACHE = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fusible-ops-inductor-")
+    if torch.cuda.is_available():
         from fusible_ops import replay
 
         replay.extension()
+
+
+def pytest_unconfigure(config):
+    if _OWN_INDUCTOR_CACHE is not None and not hasattr(config, "workerinput"):
+        shutil.rmtree(_OWN_INDUCTOR_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,7 +7,6 @@ then the compiled run draws the same seeds as eager after the same ``torch.manua
 masks (a pure function of the seed) are identical.
 """
 
-import time
 
 import pytest
 import torch
@@ -26,7 +25,6 @@ def _have_cxx() -> bool:
 
 pytestmark = pytest.mark.skipif(not _have_cxx(), reason="inductor on CPU needs a C++ compiler")
 
-COMPILE_BUDGET_S = 60.0  # per compile on a 2-core CPU; the first call compiles forward and backward
 
 
 
@@ -76,11 +74,8 @@ def test_dropout_block_inductor_fullgraph_matches_eager():
     _assert_no_graph_breaks(seq, x.clone().requires_grad_())
     with inductor_config.patch(fallback_random=True):
         compiled = torch.compile(seq, fullgraph=True)
-        t0 = time.perf_counter()
         first = _run(compiled, x, seed=1)
-        elapsed = time.perf_counter() - t0
         second = _run(compiled, x, seed=2)  # a new seed: a new mask, no recompile needed
-    assert elapsed < COMPILE_BUDGET_S, f"compiling the dropout block took {elapsed:.1f} s"
     _compare(first, _run(seq, x, seed=1))
     _compare(second, _run(seq, x, seed=2))
     assert not torch.equal(first[0], second[0])  # different masks
@@ -95,8 +90,5 @@ def test_moe_block_inductor_fullgraph_matches_eager():
     splits = torch.tensor([3, 0, 2, 1])
     _assert_no_graph_breaks(moe, x.clone().requires_grad_(), splits, splits)
     compiled = torch.compile(moe, fullgraph=True)
-    t0 = time.perf_counter()
     out = _run(compiled, x, splits, splits)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < COMPILE_BUDGET_S, f"compiling the MoE block took {elapsed:.1f} s"
     _compare(out, _run(moe, x, splits, splits))

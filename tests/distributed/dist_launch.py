@@ -80,7 +80,10 @@ def _entry(rank: int, world: int, backend: str, port: int, body, args: tuple) ->
 
 
 def _pool_worker(rank: int, world: int, port: int, tasks, results) -> None:
-    """A gloo pool process: one process group for the pool's life; runs the bodies it is sent."""
+    """A gloo pool process: one process group for the pool's life; runs the bodies it is sent.
+    One CPU thread: the pool's ranks share the machine's few cores (more would spin against each
+    other)."""
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     device = torch.device("cpu")
