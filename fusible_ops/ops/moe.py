@@ -42,6 +42,7 @@ from ..kernels.gemm import linear_wgrad
 from ..kernels.moe_combine import combine_bwd, gather_sum, scatter_copies
 from ..kernels.moe_router import expert_counts_ref, route, router_dlogits, sort_by_expert_ref
 from ..op import BasicOperation
+from ..training_state import VersionedStateMixin
 from .comm import GroupRef
 from .grouped_linear import GroupedLinear
 from .moe_ep import (ExpertExchange, PaddedLayout, RoutingError, check_layout, check_not_capturing,
@@ -74,7 +75,7 @@ def _router_logits(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x2d.to(acc) @ weight.to(acc).t()
 
 
-class Router(WeightGradMixin, BasicOperation):
+class Router(VersionedStateMixin, WeightGradMixin, BasicOperation):
     """Routes each token (row of ``x`` [..., in_features]) to ``top_k`` of ``num_experts`` experts.
 
     ``logits = x @ weight.T`` in float32 (``weight`` [E, in_features]). ``score="softmax"``:
@@ -126,6 +127,8 @@ class Router(WeightGradMixin, BasicOperation):
         self.register_buffer("expert_bias", bias)
         load = torch.zeros(num_experts, device=device, dtype=torch.int64) if expert_bias else None
         self.register_buffer("expert_load", load)
+        if expert_bias:  # (library state: the format version comes with it)
+            self._add_format_entry(device)
         self._init_wgrad(accumulate_into_main_grad, delay_wgrad_compute)
         self.reset_parameters()
 

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ..kernels.fp8_cast import cast_block, cast_tensor, delayed_update, scale_from_amax_ref, tensor_amax
+from ..training_state import VersionedStateMixin
 from .recipes import (FP8_MAX, ROLES, Float8BlockScaling, Float8CurrentScaling, Float8DelayedScaling,
                       amax_reduction_group, fp8_dtype)
 from .tensor import Float8Tensor
@@ -26,16 +27,19 @@ _HISTORY, _SCALE = "fp8_amax_history", "fp8_scale"
 # ---- delayed-scaling state
 
 
-class FP8StateMixin:
+class FP8StateMixin(VersionedStateMixin):
     """For modules that may own delayed-scaling buffers: a checkpoint that holds them creates them
-    on load (so ``load_state_dict`` restores the state exactly, also into a fresh module)."""
+    on load (so ``load_state_dict`` restores the state exactly, also into a fresh module). With
+    the buffers comes the format version buffer (:mod:`fusible_ops.training_state`)."""
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _before_load(self, state_dict, prefix: str) -> None:
+        device = _device_of(self)
         for name in (_HISTORY, _SCALE):
             t = state_dict.get(prefix + name)
             if t is not None and getattr(self, name, None) is None:
-                self.register_buffer(name, torch.empty_like(t, device=_device_of(self)))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+                self.register_buffer(name, torch.empty_like(t, device=device))
+        if self._buffers.get(_HISTORY) is not None:
+            self._add_format_entry(device)
 
 
 def _device_of(module: torch.nn.Module):
@@ -52,7 +56,25 @@ def delayed_state(owner: torch.nn.Module, recipe: Float8DelayedScaling, device) 
         hist = torch.zeros(recipe.amax_history_len, len(ROLES), dtype=torch.float32, device=device)
         owner.register_buffer(_HISTORY, hist)
         owner.register_buffer(_SCALE, torch.ones(len(ROLES), dtype=torch.float32, device=device))
+        if isinstance(owner, VersionedStateMixin):
+            owner._add_format_entry(device)
     return hist, owner._buffers[_SCALE]
+
+
+def init_delayed_state(model: torch.nn.Module, recipe: Float8DelayedScaling, device=None) -> None:
+    """Create, in every module of ``model`` that keeps delayed-scaling state, the buffers its
+    first training call under ``recipe`` would create (history 0, scale 1, the format version),
+    so that a loader filling a state dict's tensors in place (``torch.distributed.checkpoint``)
+    finds them; existing buffers are kept. ``device``: for modules without parameters
+    (``Quantize``); default: the device of the model's first parameter."""
+    if not isinstance(recipe, Float8DelayedScaling):
+        raise TypeError(f"init_delayed_state: recipe must be a Float8DelayedScaling, got {recipe!r}")
+    if device is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    for m in model.modules():
+        owner_of = getattr(m, "param_owner", None)
+        if isinstance(m, FP8StateMixin) and (owner_of is None or owner_of("weight") is m):
+            delayed_state(m, recipe, _device_of(m) or torch.device(device))
 
 
 def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, x: torch.Tensor, record: bool = True):
@@ -388,4 +410,5 @@ def refresh_graph_weights(entries) -> None:
 
 
 __all__ = ["FP8StateMixin", "GradOutputQuantizer", "InputQuantizer", "cached_weight", "delayed_state", "graph_weight_cache",
+           "init_delayed_state",
            "quantize", "refresh_graph_weights", "replay_weight_tensors", "replay_weights", "with_colwise"]
