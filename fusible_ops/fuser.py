@@ -35,8 +35,7 @@ from .fuser_params import check_param_grads as _check_param_grads
 from .fuser_params import as_views as _as_views
 from .fuser_params import grad_quantizer as _grad_quantizer
 from .fuser_params import input_quantizer as _input_quantizer
-from .fuser_params import reader as _reader
-from .fuser_params import training_call as _training_call
+from .fuser_params import reader as _reader, training_call as _training_call
 from .grad import check_flagged_ops, contract_weights, gate_weights, scheduler_active, watch_plain_weights
 from .kernels import current_mode, set_mode
 from .op import STATE_EPOCH as _STATE_EPOCH
