@@ -30,7 +30,7 @@ from . import quantization
 from .quantization import Float8BlockScaling, Float8CurrentScaling, Float8DelayedScaling, Float8Tensor, autocast
 from .rules import FusionContext, RuleSet, match, register_fusion
 from .sequential import Sequential
-from . import tuning
+from . import training_state, tuning
 from .tuning import tune
 from . import fusion_rules, rules  # noqa: E402
 from . import parallel  # noqa: E402
@@ -48,5 +48,5 @@ __all__ = [
     "MakeExtraOutput", "OperationContext", "OperationFuser", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "RMSNorm", "RuleSet",
     "ScaledSwiGLU", "SiLU", "Sequential", "SwiGLU", "check_errors", "delayed_wgrad", "device_checks", "flush_wgrad", "fusion_rules", "kernels", "make_graphed_callables",
     "match", "parallel", "register_fusion", "set_device_checks", "fuser_routing", "replay",
-    "Combine", "Dispatch", "Router", "tune", "tuning",
+    "Combine", "Dispatch", "Router", "training_state", "tune", "tuning",
 ]

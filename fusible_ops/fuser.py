@@ -35,7 +35,7 @@ from .fuser_params import check_param_grads as _check_param_grads
 from .fuser_params import as_views as _as_views
 from .fuser_params import grad_quantizer as _grad_quantizer
 from .fuser_params import input_quantizer as _input_quantizer
-from .fuser_params import reader as _reader
+from .fuser_params import reader as _reader, training_call as _training_call
 from .grad import check_flagged_ops, contract_weights, gate_weights, scheduler_active, watch_plain_weights
 from .kernels import current_mode, set_mode
 from .op import STATE_EPOCH as _STATE_EPOCH
@@ -300,16 +300,18 @@ class OperationFuser:
             extra_keep=tuple([requires_grad and isinstance(e, torch.Tensor) and e.requires_grad
                               for e in extra_inputs]),
             param_keep=tuple([requires_grad and p.requires_grad for p in params]),
+            training=[_training_call(op, grad_on) for op in ops],
             cpu_autograd=native,
             device_type=x.device.type,
             gated=contract_weights(ops, params, self._param_counts, flagged_only=True) if native else None,
             gated_all=contract_weights(ops, params, self._param_counts) if native else None,
             op_kwargs=[
                 {
-                    "next_op_input_quantizer": (_input_quantizer(ops[i + 1], requires_grad and op_trainable[i + 1])
-                                                if i + 1 < len(ops) else None),
+                    "next_op_input_quantizer": (
+                        _input_quantizer(ops[i + 1], requires_grad and op_trainable[i + 1], grad_on)
+                        if i + 1 < len(ops) else None),
                     "prev_op_grad_output_quantizer": (
-                        _grad_quantizer(ops[i - 1], requires_grad and op_trainable[i - 1]) if i > 0 else None),
+                        _grad_quantizer(ops[i - 1], requires_grad and op_trainable[i - 1], grad_on) if i > 0 else None),
                 }
                 for i in range(len(ops))
             ],
@@ -389,7 +391,7 @@ class OperationFuser:
             if plan.unwatched:
                 plan.unwatched = False
                 watch_plain_weights(self)
-            ctxs = [OperationContext() for _ in plan.ctx_flags]
+            ctxs = [OperationContext(False, False, False, t) for t in plan.training]
             gated = plan.gated
             if plan.gated_all is not None and scheduler_active():  # (only cpu_autograd plans have one)
                 gated = plan.gated_all  # (inside delayed_wgrad(): every contract weight through the gate)
@@ -451,7 +453,7 @@ class _BackwardContext:
 class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(func_ctx, x, fuser: OperationFuser, plan: Plan, num_extra: int, *args):
-        ctxs = [OperationContext(rg, irg, wrg) for rg, irg, wrg in plan.ctx_flags]
+        ctxs = [OperationContext(rg, irg, wrg, t) for rg, irg, wrg, t in plan.ctx_flags]
         y, extra_outputs = _run_forward(fuser, plan, ctxs, x, args[:num_extra] if num_extra else ())
         has_extra_out = fuser.num_extra_outputs != 0
         if plan.requires_grad:

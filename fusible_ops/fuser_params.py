@@ -48,19 +48,31 @@ class _GetAttr:
         return getattr(self.module, name)
 
 
-def input_quantizer(op, weight_grad: bool):
-    """``op.input_quantizer()``, told whether the op computes a weight gradient in this plan."""
-    return _told(op.input_quantizer(), weight_grad)
+def training_call(op, grad_on: bool) -> bool:
+    """Whether a call planned with grad mode ``grad_on`` is a training call for ``op``: grad mode
+    on, the op in training mode and so every module owning one of its parameters (``fo.Linear``
+    lends its weight to a ``BasicLinear`` that ``model.eval()`` does not reach; its ``eval()``
+    bumps the borrower's state version, so the plan key follows)."""
+    if not (grad_on and op.training):
+        return False
+    return all(op.param_owner(n).training for n in op.param_names())
 
 
-def grad_quantizer(op, weight_grad: bool):
-    """``op.grad_output_quantizer()``, told whether the op computes a weight gradient."""
-    return _told(op.grad_output_quantizer(), weight_grad)
+def input_quantizer(op, weight_grad: bool, grad_on: bool):
+    """``op.input_quantizer()``, told whether the op computes a weight gradient in this plan and
+    whether its calls are training calls (:func:`training_call`)."""
+    return _told(op.input_quantizer(), weight_grad, training_call(op, grad_on))
 
 
-def _told(q, weight_grad: bool):
+def grad_quantizer(op, weight_grad: bool, grad_on: bool):
+    """``op.grad_output_quantizer()``, told as :func:`input_quantizer` tells."""
+    return _told(op.grad_output_quantizer(), weight_grad, training_call(op, grad_on))
+
+
+def _told(q, weight_grad: bool, training: bool):
     if q is not None and hasattr(q, "colwise"):
         q.colwise = weight_grad
+        q.training = training
     return q
 
 
@@ -74,4 +86,4 @@ def check_param_grads(step, op, got, expected: tuple) -> None:
         )
 
 
-__all__ = ["check_param_grads", "grad_quantizer", "input_quantizer", "reader"]
+__all__ = ["check_param_grads", "grad_quantizer", "input_quantizer", "reader", "training_call"]

@@ -45,12 +45,17 @@ class Plan:
     # extension), else None
     replay: Optional[Replayer] = None
     unwatched: bool = False  # made while tracing: its first eager native call watches the weights
+    # per basic op: a training call (grad mode on at the call, the op in training mode; both part
+    # of the key): the ctxs' ``training`` (state kept between steps changes only then)
+    training: Optional[list] = None
 
     def __post_init__(self) -> None:
         self._drop_unread_quantizers()
         # What every call reads, computed once per plan (the host path stays short).
-        self.ctx_flags = [(self.requires_grad, i, w) for i, w in zip(self.input_requires_grad,
-                                                                      self.weight_requires_grad)]
+        if self.training is None:
+            self.training = [False] * len(self.input_requires_grad)
+        self.ctx_flags = [(self.requires_grad, i, w, t) for i, w, t in zip(self.input_requires_grad,
+                                                                            self.weight_requires_grad, self.training)]
         self.forward_steps = [(g.op, g.indices, [self.op_kwargs[i] for i in g.indices]) for g in self.forward]
         self.backward_steps = [(g.op, g.indices, self.op_kwargs[g.indices[0]]["prev_op_grad_output_quantizer"])
                                for g in reversed(self.backward) if g.indices[-1] >= self.backward_stop]

@@ -54,6 +54,12 @@ class OperationContext:
       requires grad, or an earlier op has trainable parameters or extra inputs needing grad).
     * ``weight_requires_grad``: autograd will run backward through this op and at least one of
       its parameters requires grad.
+    * ``training``: a training call: grad mode was on when the call was made and the op is in
+      training mode (``op.training``, and so the module owning its parameters, e.g. the
+      ``Linear`` of a ``BasicLinear``). State kept between steps (FP8 delayed-scaling histories,
+      a router's expert load) changes only then; an evaluation call (``torch.no_grad()``,
+      ``model.eval()``) reads it as it is. (Grad mode itself is off inside the fuser's autograd
+      function: the plan, keyed on it, decides.)
 
     Ops may set any other attribute they need in backward.
 
@@ -65,10 +71,11 @@ class OperationContext:
     gated_weight: Optional[torch.Tensor] = None
 
     def __init__(self, requires_grad: bool = False, input_requires_grad: bool = False,
-                 weight_requires_grad: bool = False) -> None:
+                 weight_requires_grad: bool = False, training: bool = False) -> None:
         self.requires_grad = requires_grad
         self.input_requires_grad = input_requires_grad
         self.weight_requires_grad = weight_requires_grad
+        self.training = training
         self._saved: tuple = ()
 
     def save_for_backward(self, *tensors: Optional[torch.Tensor]) -> None:

@@ -159,7 +159,7 @@ def record(fuser, plan, inputs: list, n_extra: int, weights: Optional[list] = No
     """Record one call of ``plan`` on ``inputs`` (x, the extra inputs, the parameters) and build
     its recipe; None when it cannot be replayed, :data:`RETRY` when a later call may be (the reason
     in ``record.last_failure``). ``weights`` (a list) gets ``(owner, weight, recipe, transposed,
-    grouped)`` of each cached FP8 weight the call read (inputs of the recipe after ``inputs``)."""
+    grouped, record)`` of each cached FP8 weight the call read (inputs of the recipe after ``inputs``)."""
     ext = extension()
     if ext is None:
         record.last_failure = "the C++ extension could not be built"

@@ -515,7 +515,7 @@ def test_graph_weight_refresh_recasts_only_changed_weights():
     recipe = fo.Float8CurrentScaling()
     wq = Q.cached_weight(lin, lin.weight, recipe, transposed=True)
     bufs = (wq._data, wq._scale_inv, wq._data_t)
-    entries = [(lin, lin.weight, recipe, True, False, wq)]
+    entries = [(lin, lin.weight, recipe, True, False, True, wq)]
     Q.refresh_graph_weights(entries)
     assert lin.fp8_weight_casts == 1  # unchanged weight: no cast
     with torch.no_grad():

@@ -48,9 +48,10 @@ def fp8_mlp_forward(fused, ctxs, x2d: torch.Tensor, splits: torch.Tensor, scales
     wg1 = train and c1.weight_requires_grad and fc1.weight.requires_grad
     wg2 = train and c2.weight_requires_grad and fc2.weight.requires_grad
     o1, o2 = fc1.param_owner("weight"), fc2.param_owner("weight")
-    xq = quantize(x2d, recipe, "input", transposed=wg1 and gather is None, owner=o1)
-    w1q = cached_weight(o1, fc1.weight, recipe, transposed=train and c1.input_requires_grad, grouped=True)
-    w2q = cached_weight(o2, fc2.weight, recipe, transposed=train, grouped=True)
+    xq = quantize(x2d, recipe, "input", transposed=wg1 and gather is None, owner=o1, record=c1.training)
+    w1q = cached_weight(o1, fc1.weight, recipe, transposed=train and c1.input_requires_grad, grouped=True,
+                        record=c1.training)
+    w2q = cached_weight(o2, fc2.weight, recipe, transposed=train, grouped=True, record=c2.training)
     kept = {}
 
     def fc1_glu(amax=None, scale=None, fp8_dtype=None):
@@ -61,7 +62,7 @@ def fp8_mlp_forward(fused, ctxs, x2d: torch.Tensor, splits: torch.Tensor, scales
         return y
 
     into_fc2 = InputQuantizer(recipe, fc2)
-    into_fc2.colwise = wg2
+    into_fc2.colwise, into_fc2.training = wg2, c2.training
     yq = into_fc2.produce(fc1_glu, like=x2d, direct=False)
     out = fp8_grouped_mm(yq.rowwise, w2q.rowwise, splits, x2d.dtype, fc2.bias)
     if train:
@@ -84,7 +85,8 @@ def fp8_mlp_backward(fused, ctxs, dy2: torch.Tensor):
     xt, xt_inv, w1t, w1t_inv, splits = c1.saved_tensors
     h, scales = ca.saved_tensors
     yt, yt_inv, w2t, w2t_inv = c2.saved_tensors
-    dyq = quantize(dy2, recipe, "grad_output", transposed=c2.weight_grad, owner=fc2.param_owner("weight"))
+    dyq = quantize(dy2, recipe, "grad_output", transposed=c2.weight_grad, owner=fc2.param_owner("weight"),
+                   record=c2.training)
     dw2 = None
     if c2.weight_grad:
         def wgrad2(out, acc):
@@ -104,7 +106,7 @@ def fp8_mlp_backward(fused, ctxs, dy2: torch.Tensor):
             return kept["dh"]
 
         into_fc1 = GradOutputQuantizer(recipe, fc1)
-        into_fc1.colwise = c1.weight_grad
+        into_fc1.colwise, into_fc1.training = c1.weight_grad, c1.training
         dhq = into_fc1.produce(dglu, like=h, direct=False)
         dscales = kept["ds"]
         if c1.input_requires_grad:

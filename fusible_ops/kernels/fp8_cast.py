@@ -151,24 +151,25 @@ if HAS_TRITON:
     def _delayed_update_kernel(HIST, SCALE, AMAX, L, r, s_h,
                                FMAX: tl.constexpr, MAX_ALGO: tl.constexpr, WEIGHT: tl.constexpr,
                                BLOCK_L: tl.constexpr):
-        # One role's delayed-scaling step on HIST [L, *] (column r, row stride s_h) and SCALE[r]:
-        # the new scale (WEIGHT: from AMAX, this cast's own amax; else from the history's max
-        # (MAX_ALGO) or newest entry, kept where that is 0), then the column rolled down by one with
-        # a new newest entry (WEIGHT: AMAX; else 0, for the cast to raise). One program.
-        i = tl.arange(0, BLOCK_L)
-        live = i < L
-        col = tl.load(HIST + i * s_h + r, mask=live, other=0.0)
+        # One role's delayed-scaling step on HIST [L, *] (column r, row stride s_h) and SCALE[r].
+        # WEIGHT: the scale from AMAX (this cast's own amax), written with AMAX as the newest entry
+        # in place: the column is not rolled (a weight's recorded state is a function of the
+        # weight alone). Else: the scale from the history's max (MAX_ALGO) or newest entry, kept
+        # where that is 0, then the column rolled down by one with a new newest entry 0 (for the
+        # cast to raise). One program.
         if WEIGHT:
             amax = tl.load(AMAX)
             tl.store(SCALE + r, _scale_of(amax, FMAX, False))
-            first = amax
+            tl.store(HIST + r, amax)
         else:
+            i = tl.arange(0, BLOCK_L)
+            live = i < L
+            col = tl.load(HIST + i * s_h + r, mask=live, other=0.0)
             amax = tl.max(col, 0) if MAX_ALGO else tl.load(HIST + r)
             tl.store(SCALE + r, tl.where(amax > 0.0, _scale_of(amax, FMAX, False), tl.load(SCALE + r)))
-            first = 0.0
-        tl.debug_barrier()  # every entry read before any is overwritten
-        tl.store(HIST + (i + 1) * s_h + r, col, mask=(i + 1) < L)
-        tl.store(HIST + r, first)
+            tl.debug_barrier()  # every entry read before any is overwritten
+            tl.store(HIST + (i + 1) * s_h + r, col, mask=(i + 1) < L)
+            tl.store(HIST + r, 0.0)
 
     @triton.jit
     def _scale_once(P, stride, start, n, FMAX: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr):
@@ -470,10 +471,15 @@ def cast_tensor(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transp
 
 def delayed_update(hist: torch.Tensor, scale: torch.Tensor, r: int, fmax: float, max_algo: bool,
                    amax: Optional[torch.Tensor] = None) -> None:
-    """One delayed-scaling step of role column ``r`` in place, in one launch (no host sync):
-    ``scale[r]`` from ``amax`` (fp32 [1], a weight's current amax) or else from the history's max
-    (``max_algo``) or newest entry (unchanged where that is 0), via :func:`scale_from_amax_ref` with
-    ``fmax``; then ``hist[:, r]`` rolled down by one with a new newest entry (``amax``, or 0)."""
+    """One delayed-scaling step of role column ``r`` in place, in one launch (no host sync).
+
+    With ``amax`` (fp32 [1], a weight's current amax): ``scale[r]`` from it (via
+    :func:`scale_from_amax_ref` with ``fmax``) and ``hist[0, r] = amax``; the column is not rolled,
+    so a weight's recorded state depends on the weight alone, not on how often it was cast (a
+    resumed run re-casts a frozen weight once more than the uninterrupted run did).
+    Without: ``scale[r]`` from the history's max (``max_algo``) or newest entry (unchanged where
+    that is 0), then ``hist[:, r]`` rolled down by one with a new newest entry 0 (the cast that
+    follows raises it to its tensor's amax)."""
     L = hist.shape[0]
     if HAS_TRITON and use_triton(hist):
         args = (hist, scale, amax if amax is not None else scale, L, r, hist.stride(0))
@@ -489,13 +495,12 @@ def delayed_update_ref(hist, scale, r, fmax, max_algo, amax=None) -> None:
     col = hist[:, r]
     if amax is not None:
         scale[r : r + 1].copy_(scale_from_amax_ref(amax, fmax))
-        first = amax
-    else:
-        a = col.amax() if max_algo else col[0]
-        scale[r : r + 1].copy_(torch.where(a > 0, scale_from_amax_ref(a, fmax), scale[r]).reshape(1))
-        first = torch.zeros_like(col[0:1])
+        col[0:1].copy_(amax)
+        return
+    a = col.amax() if max_algo else col[0]
+    scale[r : r + 1].copy_(torch.where(a > 0, scale_from_amax_ref(a, fmax), scale[r]).reshape(1))
     col.copy_(torch.roll(col, 1))
-    col[0:1].copy_(first)
+    col[0:1].zero_()
 
 
 def cast_block(x: torch.Tensor, square: bool, pow2: bool = False, transposed: bool = False,

@@ -82,7 +82,7 @@ def _fp8_operand(t: torch.Tensor, block: bool):
     return None
 
 
-def _cast(x2d: torch.Tensor, splits: torch.Tensor, recipe, role: str, colwise: bool, owner):
+def _cast(x2d: torch.Tensor, splits: torch.Tensor, recipe, role: str, colwise: bool, owner, record: bool):
     """``x2d`` cast for the grouped GEMMs: ``(its row-wise Float8Tensor, the column-wise copy the
     weight gradient reads or (None, None))``. Per tensor: one cast writes both. Block scaling: the
     column-wise copy is cast in :func:`~fusible_ops.kernels.fp8_grouped_gemm.pad_groups`' layout
@@ -91,7 +91,7 @@ def _cast(x2d: torch.Tensor, splits: torch.Tensor, recipe, role: str, colwise: b
     if colwise and isinstance(recipe, Float8BlockScaling):
         q, s, qt, st = cast_block_padded(x2d, splits, recipe.power_of_two_scales)
         return Float8Tensor(q, s, x2d.dtype, x2d.shape, scaling="1x128", recipe=recipe), (qt, st)
-    q = quantize(x2d, recipe, role, transposed=colwise, owner=owner)
+    q = quantize(x2d, recipe, role, transposed=colwise, owner=owner, record=record)
     return q, (q.colwise if colwise else (None, None))
 
 
@@ -122,8 +122,8 @@ def fp8_grouped_forward(op, ctx, x2d: torch.Tensor, splits: torch.Tensor, recipe
         xq = with_colwise(xq) if wg else xq
         xt = xq.colwise if wg else (None, None)
     else:
-        xq, xt = _cast(x2d, splits, recipe, "input", wg and not hp_wgrad, owner)
-    wq = cached_weight(owner, w, recipe, transposed=dg, grouped=True)
+        xq, xt = _cast(x2d, splits, recipe, "input", wg and not hp_wgrad, owner, ctx.training)
+    wq = cached_weight(owner, w, recipe, transposed=dg, grouped=True, record=ctx.training)
     y = fp8_grouped_mm(xq.rowwise, wq.rowwise, splits, x2d.dtype, op.bias)
     if train:
         ctx.weight_grad, ctx.hp_wgrad = wg, hp_wgrad
@@ -154,7 +154,7 @@ def fp8_grouped_backward(op, ctx, dy2d: torch.Tensor) -> tuple:
         dyq = with_colwise(dyq) if wg else dyq
         dy_t = dyq.colwise if wg else (None, None)
     elif ctx.input_requires_grad or (wg and not hp):  # (an FP8 output gradient serves them)
-        dyq, dy_t = _cast(dy2d, splits, ctx.fp8, "grad_output", wg and not hp, owner)
+        dyq, dy_t = _cast(dy2d, splits, ctx.fp8, "grad_output", wg and not hp, owner, ctx.training)
     if ctx.input_requires_grad:
         dx = fp8_grouped_mm(dyq.rowwise, (wt, wt_inv), splits, dy2d.dtype)
     dw: Optional[torch.Tensor] = None

@@ -55,8 +55,9 @@ def fp8_forward(lin, ctx, x: torch.Tensor, recipe) -> torch.Tensor:
     if isinstance(x, Float8Tensor):
         xq = with_colwise(x) if (wg and ctx.requires_grad) else x
     else:
-        xq = quantize(x.reshape(m, k), recipe, "input", transposed=wg and ctx.requires_grad, owner=owner)
-    wq = cached_weight(owner, w, recipe, transposed=dg)
+        xq = quantize(x.reshape(m, k), recipe, "input", transposed=wg and ctx.requires_grad, owner=owner,
+                      record=ctx.training)
+    wq = cached_weight(owner, w, recipe, transposed=dg, record=ctx.training)
     y = fp8_gemm(xq.rowwise, wq.rowwise, xq.scaling, wq.scaling, x.dtype)
     if ctx.requires_grad:
         ctx.weight_grad = wg
@@ -77,7 +78,8 @@ def fp8_backward(lin, ctx, dy: torch.Tensor):
     if isinstance(dy, Float8Tensor):
         dyq = with_colwise(dy) if wg else dy
     else:
-        dyq = quantize(dy.reshape(-1, n), recipe, "grad_output", transposed=wg, owner=lin.param_owner("weight"))
+        dyq = quantize(dy.reshape(-1, n), recipe, "grad_output", transposed=wg, owner=lin.param_owner("weight"),
+                       record=ctx.training)
     dx = None
     if ctx.input_requires_grad:
         dx = fp8_gemm(dyq.rowwise, (wt_data, wt_scale), dyq.scaling, w_scaling, dy.dtype)

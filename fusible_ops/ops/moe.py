@@ -42,6 +42,7 @@ from ..kernels.gemm import linear_wgrad
 from ..kernels.moe_combine import combine_bwd, gather_sum, scatter_copies
 from ..kernels.moe_router import expert_counts_ref, route, router_dlogits, sort_by_expert_ref
 from ..op import BasicOperation
+from ..training_state import VersionedStateMixin
 from .comm import GroupRef
 from .grouped_linear import GroupedLinear
 from .moe_ep import (ExpertExchange, PaddedLayout, RoutingError, check_layout, check_not_capturing,
@@ -74,15 +75,15 @@ def _router_logits(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x2d.to(acc) @ weight.to(acc).t()
 
 
-class Router(WeightGradMixin, BasicOperation):
+class Router(VersionedStateMixin, WeightGradMixin, BasicOperation):
     """Routes each token (row of ``x`` [..., in_features]) to ``top_k`` of ``num_experts`` experts.
 
     ``logits = x @ weight.T`` in float32 (``weight`` [E, in_features]). ``score="softmax"``:
     ``s = softmax(logits)``, the top-k of ``s`` is selected. ``score="sigmoid"`` (DeepSeek-V3):
     ``s = sigmoid(logits)``, selection by the top-k of ``s + expert_bias`` when ``expert_bias=True``
     (a non-trainable [E] float32 buffer, zeros at start, used only for selection: aux-loss-free
-    balancing; training forwards add their token copies per expert into the int64 buffer
-    ``expert_load``, and :meth:`update_expert_bias` takes the balancing step from it). Probabilities: the selected ``s`` (divided by their sum
+    balancing; training calls (grad mode on, the router in training mode) add their token copies
+    per expert into the int64 buffer ``expert_load``, and :meth:`update_expert_bias` takes the balancing step from it). Probabilities: the selected ``s`` (divided by their sum
     when ``normalize=True``), float32 [T, k].
 
     Output: ``x`` unchanged (the routing travels with it to :class:`Dispatch`), and the extra
@@ -126,16 +127,17 @@ class Router(WeightGradMixin, BasicOperation):
         self.register_buffer("expert_bias", bias)
         load = torch.zeros(num_experts, device=device, dtype=torch.int64) if expert_bias else None
         self.register_buffer("expert_load", load)
+        if expert_bias:  # (library state: the format version comes with it)
+            self._add_format_entry(device)
         self._init_wgrad(accumulate_into_main_grad, delay_wgrad_compute)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # torch.nn.Linear's init
-
     def update_expert_bias(self, rate: float = 1e-3) -> None:
         """DeepSeek-V3's aux-loss-free balancing step, on the device (no host sync):
         ``expert_bias += rate * sign(mean load - load)`` with the load counted in ``expert_load``
-        since the last call (training forwards; also those of a CUDA-graph warm-up), which is then
+        since the last call (training calls; also those of a CUDA-graph warm-up), which is then
         zeroed. Call it once per optimizer step. Needs ``expert_bias=True``."""
         if self.expert_bias is None:
             raise RuntimeError("Router.update_expert_bias: the router was built without expert_bias=True")
@@ -227,7 +229,7 @@ class Router(WeightGradMixin, BasicOperation):
         x2d, logits, ids, counts, aux = (self._route if preset else self._route_kernels)(x, routing)
         if _RECORDS:
             _RECORDS[-1].append(ids)
-        if self.expert_load is not None and self.training:
+        if self.expert_load is not None and ctx.training:  # (training calls only: not under no_grad)
             self.expert_load.add_(counts)
         if ctx.requires_grad:
             ctx.weight_grad = ctx.weight_requires_grad and self.weight.requires_grad

@@ -42,7 +42,7 @@ class Quantize(FP8StateMixin, BasicOperation):
         ctx.recipe = recipe
         if recipe is None or not self.quantize_forward or isinstance(x, Float8Tensor):
             return x
-        return quantize(x, recipe, "input", transposed=ctx.requires_grad, owner=self)
+        return quantize(x, recipe, "input", transposed=ctx.requires_grad, owner=self, record=ctx.training)
 
     def op_backward(self, ctx, dy):
         if not ctx.input_requires_grad:
@@ -50,7 +50,7 @@ class Quantize(FP8StateMixin, BasicOperation):
         recipe = ctx.recipe
         if recipe is None or not self.quantize_backward or isinstance(dy, Float8Tensor):
             return dy, ()
-        return quantize(dy, recipe, "grad_output", transposed=True, owner=self), ()
+        return quantize(dy, recipe, "grad_output", transposed=True, owner=self, record=ctx.training), ()
 
     def reference_forward(self, x):
         return x

@@ -9,10 +9,11 @@ from .recipes import (
     amax_reduction_group, autocast, current_recipe, fp8_dtype,
 )
 from .tensor import Float8Tensor, dequantize_2d
-from .casting import FP8StateMixin, GradOutputQuantizer, InputQuantizer, cached_weight, delayed_state, quantize, with_colwise
+from .casting import (FP8StateMixin, GradOutputQuantizer, InputQuantizer, cached_weight, delayed_state, init_delayed_state,
+                      quantize, with_colwise)
 
 __all__ = [
     "E4M3", "E5M2", "FP8StateMixin", "FP8_FORMATS", "GradOutputQuantizer", "InputQuantizer", "FP8_MAX", "Float8BlockScaling", "Float8CurrentScaling",
     "Float8DelayedScaling", "Float8Tensor", "RECIPES", "ROLES", "amax_reduction_group", "autocast", "cached_weight",
-    "current_recipe", "delayed_state", "dequantize_2d", "fp8_dtype", "quantize", "with_colwise",
+    "current_recipe", "delayed_state", "dequantize_2d", "init_delayed_state", "fp8_dtype", "quantize", "with_colwise",
 ]

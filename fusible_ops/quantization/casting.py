@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from ..kernels.fp8_cast import cast_block, cast_tensor, delayed_update, tensor_amax
+from ..kernels.fp8_cast import cast_block, cast_tensor, delayed_update, scale_from_amax_ref, tensor_amax
+from ..training_state import VersionedStateMixin
 from .recipes import (FP8_MAX, ROLES, Float8BlockScaling, Float8CurrentScaling, Float8DelayedScaling,
                       amax_reduction_group, fp8_dtype)
 from .tensor import Float8Tensor
@@ -26,16 +27,19 @@ _HISTORY, _SCALE = "fp8_amax_history", "fp8_scale"
 # ---- delayed-scaling state
 
 
-class FP8StateMixin:
+class FP8StateMixin(VersionedStateMixin):
     """For modules that may own delayed-scaling buffers: a checkpoint that holds them creates them
-    on load (so ``load_state_dict`` restores the state exactly, also into a fresh module)."""
+    on load (so ``load_state_dict`` restores the state exactly, also into a fresh module). With
+    the buffers comes the format version buffer (:mod:`fusible_ops.training_state`)."""
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _before_load(self, state_dict, prefix: str) -> None:
+        device = _device_of(self)
         for name in (_HISTORY, _SCALE):
             t = state_dict.get(prefix + name)
             if t is not None and getattr(self, name, None) is None:
-                self.register_buffer(name, torch.empty_like(t, device=_device_of(self)))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+                self.register_buffer(name, torch.empty_like(t, device=device))
+        if self._buffers.get(_HISTORY) is not None:
+            self._add_format_entry(device)
 
 
 def _device_of(module: torch.nn.Module):
@@ -52,19 +56,49 @@ def delayed_state(owner: torch.nn.Module, recipe: Float8DelayedScaling, device) 
         hist = torch.zeros(recipe.amax_history_len, len(ROLES), dtype=torch.float32, device=device)
         owner.register_buffer(_HISTORY, hist)
         owner.register_buffer(_SCALE, torch.ones(len(ROLES), dtype=torch.float32, device=device))
+        if isinstance(owner, VersionedStateMixin):
+            owner._add_format_entry(device)
     return hist, owner._buffers[_SCALE]
 
 
-def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, x: torch.Tensor):
+def init_delayed_state(model: torch.nn.Module, recipe: Float8DelayedScaling, device=None) -> None:
+    """Create, in every module of ``model`` that keeps delayed-scaling state, the buffers its
+    first training call under ``recipe`` would create (history 0, scale 1, the format version),
+    so that a loader filling a state dict's tensors in place (``torch.distributed.checkpoint``)
+    finds them; existing buffers are kept. ``device``: for modules without parameters
+    (``Quantize``); default: the device of the model's first parameter."""
+    if not isinstance(recipe, Float8DelayedScaling):
+        raise TypeError(f"init_delayed_state: recipe must be a Float8DelayedScaling, got {recipe!r}")
+    if device is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    for m in model.modules():
+        owner_of = getattr(m, "param_owner", None)
+        if isinstance(m, FP8StateMixin) and (owner_of is None or owner_of("weight") is m):
+            delayed_state(m, recipe, _device_of(m) or torch.device(device))
+
+
+def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, x: torch.Tensor, record: bool = True):
     """Update ``role``'s scale from its history, start a new history entry; return (scale [1],
     the new entry [1] for the cast to raise to this tensor's amax). Device ops only.
 
     Weights are the exception: they are cast once per change (the weight cache), so a scale
-    from past casts would lag a whole optimizer step; their scale comes from their current amax
-    (still recorded in the history)."""
-    hist, scale = delayed_state(owner, recipe, x.device)
+    from past casts would lag a whole optimizer step; their scale comes from their current amax,
+    written as the newest entry of their column without rolling it (so the state depends on the
+    weight, not on how many times it was cast: a resumed run re-casts a frozen weight).
+
+    ``record=False`` (an evaluation call: grad mode off, or the op in eval mode): nothing is
+    written. Inputs and output gradients use the current ``fp8_scale`` (1 before any training
+    call); a weight its current amax. The entry returned is None then."""
     r = _ROLE_INDEX[role]
     fmax = FP8_MAX[fp8_dtype(recipe, role)] / (2.0 ** recipe.margin)
+    if not record:
+        if role == "weight":
+            return scale_from_amax_ref(tensor_amax(x), fmax), None
+        scale = owner._buffers.get(_SCALE)
+        if scale is None:
+            return torch.ones(1, dtype=torch.float32, device=x.device), None
+        return scale[r : r + 1].to(x.device), None
+    hist, scale = delayed_state(owner, recipe, x.device)
     if role == "weight":
         delayed_update(hist, scale, r, fmax, True, tensor_amax(x))
         return scale[r : r + 1], None
@@ -98,6 +132,7 @@ class InputQuantizer:
         self.recipe = recipe
         self.consumer = consumer
         self.colwise = None  # set by the fuser's plan: whether the consumer computes its weight gradient
+        self.training = None  # set by the fuser's plan: a training call (grad mode on, consumer in train mode)
 
     @property
     def owner(self) -> torch.nn.Module:
@@ -111,9 +146,18 @@ class InputQuantizer:
             return self.colwise
         return torch.is_grad_enabled() and self.consumer.weight.requires_grad
 
+    def records(self) -> bool:
+        """Whether the cast records delayed-scaling state: a training call (from the plan, which
+        knows the call's grad mode; else grad mode now), with the consumer and the module owning
+        its weight in training mode."""
+        if self.training is not None:
+            return self.training
+        return torch.is_grad_enabled() and self.consumer.training and self.owner.training
+
     def __call__(self, x: torch.Tensor) -> Float8Tensor:
         """A standalone cast of ``x`` for the consumer."""
-        return quantize(x, self.recipe, self.role, transposed=self.need_colwise(), owner=self.owner)
+        return quantize(x, self.recipe, self.role, transposed=self.need_colwise(), owner=self.owner,
+                        record=self.records())
 
     def fused_mode(self) -> str:
         """How a producer serves this consumer: ``"fp8"`` (delayed scaling: the scale is known
@@ -145,7 +189,9 @@ class InputQuantizer:
             y = run(amax=amax)
             q, qt = cast_tensor(y, reduce_amax(amax), dtype, colwise, from_amax=True, inv=inv)  # (scale: in the cast)
             return self._wrap(y.dtype, y.shape, q, qt, inv)
-        scale, entry = _delayed_scale(self.owner, self.recipe, self.role, like)
+        scale, entry = _delayed_scale(self.owner, self.recipe, self.role, like, self.records())
+        if entry is None:  # (an evaluation call records nothing: the producer raises a scratch amax)
+            entry = torch.zeros(1, dtype=torch.float32, device=like.device)
         if colwise or not direct:  # both layouts: the producer's pass records the amax, one cast + transpose pass
             y = run(amax=entry)
             q, qt = cast_tensor(y, scale, dtype, colwise, inv=inv)
@@ -173,10 +219,12 @@ class GradOutputQuantizer(InputQuantizer):
 
 
 def quantize(x: torch.Tensor, recipe, role: str, *, transposed: bool = False,
-             owner: Optional[torch.nn.Module] = None) -> Float8Tensor:
+             owner: Optional[torch.nn.Module] = None, record: bool = True) -> Float8Tensor:
     """``x`` [..., K] as a :class:`Float8Tensor` under ``recipe`` for ``role`` (``"input"``,
     ``"weight"``, ``"grad_output"``). ``transposed`` also makes the column-wise copy (in the same
-    pass). ``owner``: the module holding delayed-scaling state (needed for that recipe)."""
+    pass). ``owner``: the module holding delayed-scaling state (needed for that recipe).
+    ``record=False``: an evaluation cast, which changes no delayed-scaling state (it uses the
+    current scale; see :func:`_delayed_scale`)."""
     if role not in _ROLE_INDEX:
         raise ValueError(f"quantize: role must be one of {ROLES}, got {role!r}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -193,7 +241,7 @@ def quantize(x: torch.Tensor, recipe, role: str, *, transposed: bool = False,
     elif isinstance(recipe, Float8DelayedScaling):
         if owner is None:
             raise ValueError("quantize: Float8DelayedScaling needs owner= (the module holding the amax history)")
-        scale, amax_out = _delayed_scale(owner, recipe, role, x)
+        scale, amax_out = _delayed_scale(owner, recipe, role, x, record)
         q, qt = cast_tensor(x, scale, dtype, transposed, amax_out, inv=inv)
     else:
         raise TypeError(f"quantize: unknown recipe {recipe!r}")
@@ -219,20 +267,22 @@ def with_colwise(t: Float8Tensor) -> Float8Tensor:
 # ---- weight cache
 
 
-def _cast_weight(owner, weight: torch.Tensor, recipe, transposed: bool, grouped: bool) -> Float8Tensor:
+def _cast_weight(owner, weight: torch.Tensor, recipe, transposed: bool, grouped: bool,
+                 record: bool = True) -> Float8Tensor:
     """The weight's FP8 form. ``grouped`` (experts' weights [G, N, K]): the row-wise bytes
     [G, N, K] and, with ``transposed``, the per-group transposed copy [G, K, N] (what the
     input-gradient grouped GEMM reads K-major), both for all groups at once. Per-tensor scaling:
     one scale_inv for all groups. Block scaling: 128x128 blocks of each group (N a multiple of 128,
-    so no block spans two experts), scale_inv [G, N/128, K/128] and, transposed, [G, K/128, N/128]."""
+    so no block spans two experts), scale_inv [G, N/128, K/128] and, transposed, [G, K/128, N/128].
+    ``record``: see :func:`quantize`."""
     with torch.no_grad():
         if not grouped:
-            return quantize(weight.detach(), recipe, "weight", transposed=transposed, owner=owner)
+            return quantize(weight.detach(), recipe, "weight", transposed=transposed, owner=owner, record=record)
         G, N, K = weight.shape
         block = isinstance(recipe, Float8BlockScaling)
         if block and N % 128:
             raise ValueError(f"grouped FP8 weights under block scaling need out_features divisible by 128, got {N}")
-        wq = quantize(weight.detach().reshape(G * N, K), recipe, "weight", owner=owner)
+        wq = quantize(weight.detach().reshape(G * N, K), recipe, "weight", owner=owner, record=record)
         data, inv = wq.rowwise
         data = data.view(weight.shape)
         data_t = data.view(torch.uint8).transpose(1, 2).contiguous().view(data.dtype) if transposed else None
@@ -246,35 +296,42 @@ def _cast_weight(owner, weight: torch.Tensor, recipe, transposed: bool, grouped:
 
 
 def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transposed: bool,
-                  grouped: bool = False) -> Float8Tensor:
+                  grouped: bool = False, record: bool = True) -> Float8Tensor:
     """The FP8 weight, quantized once per change of the weight: the cache on ``owner`` is keyed on
     the parameter's identity, storage, version counter (bumped by every in-place update, e.g. an
-    optimizer step), the recipe and the forms needed. Counts casts in ``owner.fp8_weight_casts``.
-    ``grouped``: experts' weights [G, N, K] (see :func:`_cast_weight`).
+    optimizer step), the recipe, the forms needed and, under delayed scaling, ``record`` (an
+    evaluation cast records no state, so the next training call casts again and records the
+    weight's amax). Counts casts in ``owner.fp8_weight_casts``. ``grouped``: experts' weights
+    [G, N, K] (see :func:`_cast_weight`).
 
     Under CUDA-graph capture: inside :func:`fusible_ops.make_graphed_callables` the graph reads
     the cached FP8 weight's buffers (made during its warm-up) and the graphed module re-casts into
     them before a replay only when the weight's version changed (:func:`refresh_graph_weights`);
     under any other capture the cast is captured and runs on every replay."""
+    record = record or not isinstance(recipe, Float8DelayedScaling)  # (only delayed scaling records)
     if _REPLAY is not None:  # a C++ replay records this call: the cached weight is one of its inputs
         entries, outside = _REPLAY
-        entries.append((owner, weight, recipe, transposed, grouped))
+        entries.append((owner, weight, recipe, transposed, grouped, record))
         with outside():  # (a cast made now is not part of the recorded call)
-            return _cached_weight(owner, weight, recipe, transposed, grouped)
-    return _cached_weight(owner, weight, recipe, transposed, grouped)
+            return _cached_weight(owner, weight, recipe, transposed, grouped, record)
+    return _cached_weight(owner, weight, recipe, transposed, grouped, record)
 
 
-def _cached_weight(owner, weight, recipe, transposed: bool, grouped: bool) -> Float8Tensor:
-    key = (id(weight), weight.data_ptr(), weight._version, recipe, transposed, grouped)
+def _cache_key(weight, recipe, transposed: bool, grouped: bool, record: bool) -> tuple:
+    return (id(weight), weight.data_ptr(), weight._version, recipe, transposed, grouped, record)
+
+
+def _cached_weight(owner, weight, recipe, transposed: bool, grouped: bool, record: bool) -> Float8Tensor:
+    key = _cache_key(weight, recipe, transposed, grouped, record)
     hit = owner.__dict__.get("_fp8_weight_cache")
     if weight.is_cuda and torch.cuda.is_current_stream_capturing():
         if _GRAPH_WEIGHTS is not None and hit is not None and hit[0][:2] == key[:2] and hit[0][3:] == key[3:]:
-            _GRAPH_WEIGHTS.append((owner, weight, recipe, transposed, grouped, hit[1]))
+            _GRAPH_WEIGHTS.append((owner, weight, recipe, transposed, grouped, record, hit[1]))
             return hit[1]
-        return _cast_weight(owner, weight, recipe, transposed, grouped)
+        return _cast_weight(owner, weight, recipe, transposed, grouped, record)
     if hit is not None and hit[0] == key:
         return hit[1]
-    wq = _cast_weight(owner, weight, recipe, transposed, grouped)
+    wq = _cast_weight(owner, weight, recipe, transposed, grouped, record)
     owner.__dict__["_fp8_weight_cache"] = (key, wq)
     owner.__dict__["fp8_weight_casts"] = owner.__dict__.get("fp8_weight_casts", 0) + 1
     return wq
@@ -287,7 +344,7 @@ _REPLAY: Optional[tuple] = None  # (entries, outside) while a C++ replay records
 @contextlib.contextmanager
 def replay_weights(outside):
     """While a C++ replay (:mod:`fusible_ops.replay`) records a call: yields a list that gets the
-    arguments ``(owner, weight, recipe, transposed, grouped)`` of every :func:`cached_weight` call,
+    arguments ``(owner, weight, recipe, transposed, grouped, record)`` of every :func:`cached_weight` call,
     whose cast (when the weight changed) runs under ``outside()``, a context that hides it from the
     recorder. The recording then reads the cached FP8 weight as an input, and each replay passes
     it in from :func:`replay_weight_tensors`."""
@@ -319,7 +376,7 @@ def replay_weight_tensors(entries) -> list:
 @contextlib.contextmanager
 def graph_weight_cache(enabled: bool = True):
     """Collect, while a graph is captured inside, the cached FP8 weights the graph reads: yields a
-    list of ``(owner, weight, recipe, transposed, grouped, Float8Tensor)`` for :func:`refresh_graph_weights`
+    list of ``(owner, weight, recipe, transposed, grouped, record, Float8Tensor)`` for :func:`refresh_graph_weights`
     (stays empty when not ``enabled``: the casts are captured)."""
     global _GRAPH_WEIGHTS
     entries: list = []
@@ -335,12 +392,12 @@ def refresh_graph_weights(entries) -> None:
     parameter changed since its last cast (its version counter moved, e.g. an optimizer step), so
     micro-batches replayed between optimizer steps cast each weight once. One host-side check per
     weight; no work on the device when nothing changed."""
-    for owner, weight, recipe, transposed, grouped, wq in entries:
-        key = (id(weight), weight.data_ptr(), weight._version, recipe, transposed, grouped)
+    for owner, weight, recipe, transposed, grouped, record, wq in entries:
+        key = _cache_key(weight, recipe, transposed, grouped, record)
         hit = owner.__dict__.get("_fp8_weight_cache")
         if hit is not None and hit[0] == key and hit[1] is wq:
             continue
-        new = _cast_weight(owner, weight, recipe, transposed, grouped)
+        new = _cast_weight(owner, weight, recipe, transposed, grouped, record)
         with torch.no_grad():
             wq._data.copy_(new._data)
             wq._scale_inv.copy_(new._scale_inv)
@@ -353,4 +410,5 @@ def refresh_graph_weights(entries) -> None:
 
 
 __all__ = ["FP8StateMixin", "GradOutputQuantizer", "InputQuantizer", "cached_weight", "delayed_state", "graph_weight_cache",
+           "init_delayed_state",
            "quantize", "refresh_graph_weights", "replay_weight_tensors", "replay_weights", "with_colwise"]

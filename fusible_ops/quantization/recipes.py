@@ -52,9 +52,14 @@ class Float8DelayedScaling:
     then records the tensor's own amax as the newest entry (the oldest falls out after
     ``amax_history_len`` entries). Everything runs on the device: no host sync. Weights are cast
     once per change of the weight (the weight cache), so their scale comes from their current
-    amax (recorded in the history too). The state is in the state dict of the module owning the
-    weight (buffers ``fp8_amax_history`` [history_len, 3] and ``fp8_scale`` [3]; columns input,
-    weight, grad_output).
+    amax, written as the newest entry of the weight column without rolling it (the recorded
+    state is a function of the weight alone). The state is in the state dict of the module
+    owning the weight (buffers ``fp8_amax_history`` [history_len, 3] and ``fp8_scale`` [3];
+    columns input, weight, grad_output).
+
+    Only training calls record: a call made with grad mode off (``torch.no_grad()``) or with the
+    op in eval mode (``model.eval()``) casts with the current ``fp8_scale`` (weights: their
+    current amax) and changes no state, so evaluating does not change the training run.
     """
 
     amax_history_len: int = 1024

@@ -298,21 +298,30 @@ def test_activation_backward_amax(kind, gated, device):
 @pytest.mark.parametrize("weight", [False, True])
 @pytest.mark.parametrize("max_algo", [True, False])
 @pytest.mark.parametrize("L", [1, 5, 1024])
-def test_delayed_update_kernel_matches_ref(weight, max_algo, L):
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_update_kernel_matches_ref(weight, max_algo, L, device):
     """The one-launch delayed-scaling step equals its torch twin bit for bit: scale from the
-    history (or a weight's amax; a zero amax keeps the old scale), the column rolled down."""
+    history (a zero amax keeps the old scale), the column rolled down; or, for a weight, scale
+    from its amax, written as the newest entry with the column not rolled."""
     g = torch.Generator().manual_seed(L)
-    hist = torch.rand(L, 3, generator=g) * 10
+    hist = (torch.rand(L, 3, generator=g) * 10).to(device)
     hist[:, 2] = 0.0  # a role whose history is all zeros: its scale stays
-    scale = torch.rand(3, generator=g) + 0.5
+    scale = (torch.rand(3, generator=g) + 0.5).to(device)
     for r in range(3):
-        amax = torch.rand(1, generator=g) * 7 if weight else None
+        amax = (torch.rand(1, generator=g) * 7).to(device) if weight else None
         h1, s1, h2, s2 = hist.clone(), scale.clone(), hist.clone(), scale.clone()
         with kernels.use("triton"):
             C.delayed_update(h1, s1, r, 448.0 / 2, max_algo, amax)
         C.delayed_update_ref(h2, s2, r, 448.0 / 2, max_algo, amax)
         assert torch.equal(h1, h2) and torch.equal(s1, s2)
-        assert torch.equal(h1[1:, r], hist[:-1, r]) and torch.equal(torch.cat([h1[:, :r], h1[:, r + 1:]], 1),
-                                                                    torch.cat([hist[:, :r], hist[:, r + 1:]], 1))
+        assert torch.equal(torch.cat([h1[:, :r], h1[:, r + 1:]], 1), torch.cat([hist[:, :r], hist[:, r + 1:]], 1))
+        if weight:  # the newest entry is the amax, the older ones stay: a second cast changes nothing
+            assert torch.equal(h1[0, r:r + 1], amax) and torch.equal(h1[1:, r], hist[1:, r])
+            assert torch.equal(s1[r:r + 1], C.scale_from_amax_ref(amax, 448.0 / 2))
+            with kernels.use("triton"):
+                C.delayed_update(h1, s1, r, 448.0 / 2, max_algo, amax)
+            assert torch.equal(h1, h2) and torch.equal(s1, s2)
+        else:
+            assert torch.equal(h1[1:, r], hist[:-1, r]) and h1[0, r] == 0
         if not weight and r == 2:
             assert torch.equal(s1[2], scale[2])
