@@ -5,6 +5,7 @@ Times each case's fused ``fusible_ops.Sequential`` against the same ops in eager
 under ``torch.compile`` (plus case-specific baselines), with copy-bandwidth and bf16-matmul
 ceilings measured in the same run. See :mod:`fusible_ops.bench.harness` and
 :mod:`fusible_ops.bench.cases` (and :mod:`fusible_ops.bench.timing` for the timer).
+``python -m fusible_ops.bench convergence`` trains instead of timing: :mod:`fusible_ops.bench.convergence`.
 """
 
 from .cases import CASES, Bench, BenchContext, routing_splits

@@ -385,6 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from .cases import CASES, BenchContext
 
+    if (sys.argv[1:2] if argv is None else list(argv)[:1]) == ["convergence"]:  # (its own options)
+        from .convergence import main as convergence_main
+
+        return convergence_main(sys.argv[2:] if argv is None else list(argv)[1:])
     args = build_parser().parse_args(argv)
     if args.from_dir:
         from .report import load_rows, write_report
@@ -399,6 +403,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{name:20s} {case.description}")
         print(f"{'host_overhead':20s} host us per fwd+bwd call: ours eager vs PyTorch eager vs ours graphed "
               f"(run alone: python -m fusible_ops.bench host_overhead)")
+        print(f"{'convergence':20s} loss curves of a byte-level LM: plain torch vs ours bf16 vs the FP8 recipes, MoE "
+              f"bf16 vs FP8 (run alone: python -m fusible_ops.bench convergence --help)")
         return 0
     if args.cases == ["host_overhead"]:
         from .host import main as host_main
