@@ -26,8 +26,8 @@ into the masters' float32 ``.grad``, clipped by global norm, stepped, and the ma
 into the bf16 parameters). Learning rate: linear warm-up, then cosine decay to
 ``min_lr_ratio`` of its peak. Weight decay on matrices only. Validation: the mean loss over a
 fixed set of windows evenly spaced over the validation bytes, every ``steps / val_points`` steps
-and at the end, evaluated in bf16 for every variant (FP8 variants too: an evaluation under
-autocast would move delayed scaling's amax history, i.e. change training).
+and at the end, evaluated in bf16 for every variant (FP8 variants too: every variant's weights
+are judged by the same arithmetic, so the validation loss measures what training made of them).
 
 Sizes: :data:`GPU_CONFIG` (default on CUDA): d=1024, 8 layers, 16 heads, SwiGLU f=2560 (a multiple
 of 512, so block-scaled GEMMs run in FP8 on CUDA, not emulated), 97M parameters; MoE: 8 experts
