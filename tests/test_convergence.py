@@ -22,6 +22,9 @@ from fusible_ops.bench.convergence_metrics import (BF16_NOISE, CI_TARGETS, REFER
 from fusible_ops.bench.report import write_report
 
 CFG = conv.QUICK_CONFIG
+NOISE_SPREAD = 2.0
+"""How far one machine's draw of the bf16 noise may lie from :data:`BF16_NOISE` (see
+:func:`test_the_noise_floor_the_bounds_come_from`)."""
 
 
 # ------------------------------------------------------------------------------------- metrics
@@ -161,13 +164,19 @@ def test_a_lost_gradient_fails_the_bounds(runs):
 
 
 def test_the_noise_floor_the_bounds_come_from(runs):
-    """:data:`BF16_NOISE` (what :data:`CI_TARGETS` are derived from) still describes this config:
-    the float32 model differs from torch_bf16 by no more than it on every figure."""
+    """:data:`BF16_NOISE` (what :data:`CI_TARGETS` are derived from) still describes this config
+    on this machine: the float32 model differs from torch_bf16 by no more than NOISE_SPREAD times
+    it on every figure. BF16_NOISE is the largest of eight pairs measured on one CPU (MKL's
+    AVX-512 path); another BLAS rounds differently and draws another sample of the same noise
+    (MKL's AVX2 path, as on AMD machines, with one thread: val 0.18% against the 0.17% measured).
+    A factor of 2 separates such draws from a floor that has really moved (a defect or a new
+    config: every QKV gradient lost moves val by 7%)."""
     results, corpus, states = runs
     r = conv.train("torch_bf16", CFG, corpus=corpus, state=states["dense"], dtype=torch.float32)
     f = compare(r, results["torch_bf16"])
-    assert abs(f["val_diff_pct"]) <= BF16_NOISE["val_pct"] and abs(f["auc_diff_pct"]) <= BF16_NOISE["auc_pct"]
-    assert 1 - f["pearson"] <= BF16_NOISE["one_minus_r"]
+    assert abs(f["val_diff_pct"]) <= NOISE_SPREAD * BF16_NOISE["val_pct"], f
+    assert abs(f["auc_diff_pct"]) <= NOISE_SPREAD * BF16_NOISE["auc_pct"], f
+    assert 1 - f["pearson"] <= NOISE_SPREAD * BF16_NOISE["one_minus_r"], f
 
 
 @pytest.mark.parametrize("variant", ["ours_fp8_delayed", "moe_fp8"])
