@@ -83,8 +83,9 @@ class Router(VersionedStateMixin, WeightGradMixin, BasicOperation):
     ``s = sigmoid(logits)``, selection by the top-k of ``s + expert_bias`` when ``expert_bias=True``
     (a non-trainable [E] float32 buffer, zeros at start, used only for selection: aux-loss-free
     balancing; training calls (grad mode on, the router in training mode) add their token copies
-    per expert into the int64 buffer ``expert_load``, and :meth:`update_expert_bias` takes the balancing step from it). Probabilities: the selected ``s`` (divided by their sum
-    when ``normalize=True``), float32 [T, k].
+    per expert into the int64 buffer ``expert_load``, and :meth:`update_expert_bias` takes the
+    balancing step from it). Probabilities: the selected ``s`` (divided by their sum when
+    ``normalize=True``), float32 [T, k].
 
     Output: ``x`` unchanged (the routing travels with it to :class:`Dispatch`), and the extra
     output ``aux_loss``, a float32 scalar, differentiable::
@@ -134,6 +135,7 @@ class Router(VersionedStateMixin, WeightGradMixin, BasicOperation):
 
     def reset_parameters(self) -> None:
         torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # torch.nn.Linear's init
+
     def update_expert_bias(self, rate: float = 1e-3) -> None:
         """DeepSeek-V3's aux-loss-free balancing step, on the device (no host sync):
         ``expert_bias += rate * sign(mean load - load)`` with the load counted in ``expert_load``
