@@ -410,5 +410,4 @@ def refresh_graph_weights(entries) -> None:
 
 
 __all__ = ["FP8StateMixin", "GradOutputQuantizer", "InputQuantizer", "cached_weight", "delayed_state", "graph_weight_cache",
-           "init_delayed_state",
-           "quantize", "refresh_graph_weights", "replay_weight_tensors", "replay_weights", "with_colwise"]
+           "init_delayed_state", "quantize", "refresh_graph_weights", "replay_weight_tensors", "replay_weights", "with_colwise"]
