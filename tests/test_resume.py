@@ -10,11 +10,15 @@ The checkpoint is what docs/training.md says to save: the model's ``state_dict()
 safetensors), the optimizer's ``state_dict()`` and the RNG states
 (:func:`fusible_ops.training_state.rng_state`) with ``torch.save``, loaded with
 ``torch.load(weights_only=True)``. One subprocess resumes every recipe (imports cost seconds).
+Both processes run under ``torch.use_deterministic_algorithms(True)``, as docs/training.md says
+exact resume needs on CUDA (the GEMM kernels' autotuner picks configs by timing, so a fresh
+process may pick another; the flag makes them use fixed configs).
 Run as a script, this file is that subprocess: ``python tests/test_resume.py CKPT_DIR OUT DEVICE``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import subprocess
@@ -51,6 +55,19 @@ def load_checkpoint(directory: pathlib.Path, model, opt) -> None:
     fo.training_state.set_rng_state(train["rng"])
 
 
+@contextlib.contextmanager
+def deterministic():
+    """``torch.use_deterministic_algorithms(True)`` inside the block (``warn_only``: cuBLAS wants
+    ``CUBLAS_WORKSPACE_CONFIG`` set before CUDA starts, which this pytest process cannot promise;
+    one stream with the default workspace is deterministic without it)."""
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
 def _final(model, opt, steps) -> dict:
     return {"steps": steps, "state": {k: v.clone() for k, v in model.state_dict().items()},
             "opt": T.flat_optimizer_state(opt)}
@@ -59,6 +76,7 @@ def _final(model, opt, steps) -> dict:
 def _resume_main(ckpt_root: str, out: str, device: str) -> None:
     """The fresh process: for each recipe, a new model and optimizer, the checkpoint, 2 steps."""
     results = {}
+    torch.use_deterministic_algorithms(True, warn_only=True)
     for name, recipe in T.RECIPES.items():
         model = T.build(device, seed=123)  # (other initial weights: the checkpoint must overwrite them)
         opt = T.optimizer(model)
@@ -73,14 +91,15 @@ def runs(request, tmp_path_factory):
     device = request.param
     root = tmp_path_factory.mktemp(f"resume_{device}")
     whole, first = {}, {}
-    for name, recipe in T.RECIPES.items():
-        model = T.build(device)
-        opt = T.optimizer(model)
-        whole[name] = _final(model, opt, T.run(model, opt, recipe, range(STEPS)))
-        model = T.build(device)
-        opt = T.optimizer(model)
-        first[name] = T.run(model, opt, recipe, range(SPLIT))
-        save_checkpoint(root / name, model, opt)
+    with deterministic():
+        for name, recipe in T.RECIPES.items():
+            model = T.build(device)
+            opt = T.optimizer(model)
+            whole[name] = _final(model, opt, T.run(model, opt, recipe, range(STEPS)))
+            model = T.build(device)
+            opt = T.optimizer(model)
+            first[name] = T.run(model, opt, recipe, range(SPLIT))
+            save_checkpoint(root / name, model, opt)
     out = root / "resumed.pt"
     proc = subprocess.run([sys.executable, __file__, str(root), str(out), device], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})

@@ -398,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-seed", type=int, default=0, help="batch order's seed")
     p.add_argument("--out", default="bench_results", help="output folder for the JSON lines")
     p.add_argument("--report", metavar="PAGE", help="also write a page from this run's rows (plot under docs/img/ beside it)")
+    p.add_argument("--shared-device", action="store_true",
+                   help="other processes share the device (e.g. variants split over concurrent runs): the rows keep "
+                        "their throughput, but the page does not show it as a speed")
     return p
 
 
@@ -422,6 +425,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     stamp = now.strftime("%Y%m%dT%H%M%SZ")
     meta = dict(device=device_name(device), torch_version=tv, triton_version=trv,
                 date_utc=now.isoformat(timespec="seconds"), driver=driver_version(device), quick=cfg is QUICK_CONFIG,
+                shared_device=bool(args.shared_device),
                 command=" ".join(["python -m fusible_ops.bench convergence", *argv]))
     corpus = load_corpus(cfg.corpus_bytes)
     setup = dict(dataclasses.asdict(cfg), steps=steps, seed=args.seed, data_seed=args.data_seed,

@@ -66,7 +66,7 @@ def convergence_table(rows: list[dict]) -> list[str]:
             lines.append(
                 f"| {r['variant']} | {r.get('reference') or ''} | {_f(r.get('final_val_loss'), 4)} "
                 f"| {_f(r.get('val_diff_pct'), 3, '%', True)} | {_f(r.get('auc_diff_pct'), 3, '%', True)} "
-                f"| {_f(r.get('pearson'), 5)} | {_f(r.get('tokens_per_s'), 0)} | {_f(r.get('peak_mib'), 0)} "
+                f"| {_f(r.get('pearson'), 5)} | {'shared' if r.get('shared_device') else _f(r.get('tokens_per_s'), 0)} | {_f(r.get('peak_mib'), 0)} "
                 f"| {targets_text(r['targets']) if r.get('targets') else ''} | {result} |")
         lines.append("")
     return lines

@@ -436,7 +436,16 @@ _MULTI_GPU = torch.cuda.is_available() and torch.cuda.device_count() > 1
 AUTOTUNE = os.environ.get("FUSIBLE_OPS_GGEMM_AUTOTUNE", "1") != "0"
 """Autotune GEMM kernels on the GPU (keyed on feature sizes, dtype and flags only).
 ``FUSIBLE_OPS_GGEMM_AUTOTUNE=0`` (or setting this to False) uses each kernel's fixed configs:
-no tuning pass, e.g. for tests."""
+no tuning pass, e.g. for tests. So does ``torch.use_deterministic_algorithms(True)``
+(:func:`autotuning`)."""
+
+
+def autotuning() -> bool:
+    """Whether GEMM kernels autotune now: :data:`AUTOTUNE`, and not under
+    ``torch.use_deterministic_algorithms(True)``. The autotuner picks a config by timing, so two
+    processes may pick differently (e.g. under load) and sum in another order: a run resumed in a
+    fresh process, or a rerun, would not be bit-exact. The fixed configs depend on the dtype alone."""
+    return AUTOTUNE and not torch.are_deterministic_algorithms_enabled()
 
 
 def fit_configs(configs: Sequence, fit: dict, sizes: dict) -> list:
@@ -452,10 +461,11 @@ class TunedKernel:
     """A ``@triton.jit`` kernel with three ways to pick its meta-parameters.
 
     * CPU tensors (Triton's interpreter): ``interp_meta``, tiny fixed tiles.
-    * CUDA with :data:`AUTOTUNE`: ``triton.autotune(configs, key)`` on the first call of a key;
+    * CUDA with :func:`autotuning` on: ``triton.autotune(configs, key)`` on the first call of a key;
       its choice is cached here, so later calls launch the kernel directly (the autotuner's
       per-call Python costs tens of microseconds of host time).
-    * CUDA without: ``fixed`` = (config for 16-bit inputs, config for fp32 inputs).
+    * CUDA without (``FUSIBLE_OPS_GGEMM_AUTOTUNE=0``, or deterministic algorithms on): ``fixed`` =
+      (config for 16-bit inputs, config for fp32 inputs).
 
     ``grid`` passed to :meth:`launch` is a function of the chosen meta-parameters. The tuning key
     is the values of the ``key`` arguments plus the dtypes of the tensor arguments (as Triton's).
@@ -487,7 +497,7 @@ class TunedKernel:
         self._chosen: dict = {}
         _TUNED.append(self)
         self._ready = geometry_cache()  # launch signature -> (grid, meta)
-        self._records = geometry_cache()  # (AUTOTUNE, caller's key) -> (grid, signature, meta, int arguments)
+        self._records = geometry_cache()  # (autotuning(), caller's key) -> (grid, signature, meta, int arguments)
 
     def _key(self, args: tuple, const: dict) -> tuple:
         key = tuple(args[i] if i < len(args) else const[k] for i, k in self._key_pos)
@@ -508,7 +518,7 @@ class TunedKernel:
         CPU tensors and a binary not compiled yet take the full path. :data:`CHECK_DIRECT` (GPU
         tests) rebuilds on every call and checks the record against it."""
         if device.type == "cuda":
-            rec = self._records.get((AUTOTUNE, SM_RESERVE[0], key))
+            rec = self._records.get((autotuning(), SM_RESERVE[0], key))
             if rec is not None:
                 raw = [t.data_ptr() for t in tensors]
                 ptrs = 0
@@ -533,7 +543,7 @@ class TunedKernel:
                                  f"caller's record key misses something its build() depends on")
 
     def _signature(self, args, const, device) -> tuple:
-        sig = [AUTOTUNE, SM_RESERVE[0], device, *const.items()]
+        sig = [autotuning(), SM_RESERVE[0], device, *const.items()]
         for a in args:
             sig.append(a.dtype if isinstance(a, torch.Tensor) else a)
         return tuple(sig)
@@ -549,7 +559,7 @@ class TunedKernel:
             return
         # Everything a launch decides (config, grid, constexprs, Triton's specialization) is a
         # function of this signature: computed once per signature, then the binary is launched.
-        sig, ptrs, raw = [AUTOTUNE, SM_RESERVE[0], device, *const.items()], 0, []
+        sig, ptrs, raw = [autotuning(), SM_RESERVE[0], device, *const.items()], 0, []
         for a in args:
             if isinstance(a, torch.Tensor):
                 sig.append(a.dtype)
@@ -571,11 +581,11 @@ class TunedKernel:
             tail = args[n:]
             if any(isinstance(a, torch.Tensor) for a in tail) or not all(isinstance(a, torch.Tensor) for a in args[:n]):
                 raise TypeError(f"{self.kernel.__name__}: launch_cached needs the {n} tensors first, then no tensor")
-            remember(self._records, (AUTOTUNE, SM_RESERVE[0], key), (ready[0], sig, ready[1], tail))
+            remember(self._records, (sig[0], SM_RESERVE[0], key), (ready[0], sig, ready[1], tail))
 
     def _prepare(self, sig, grid, args, const, dtype):
         """(grid, meta) of a new signature, or None after a tuning run launched the call itself."""
-        if AUTOTUNE:
+        if sig[0]:  # (autotuning() at this launch)
             key = self._key(args, const)
             cfg = self._chosen.get(key)
             if cfg is None:
@@ -598,7 +608,7 @@ class TunedKernel:
         return remember(self._ready, sig, (grid(cfg.kwargs), meta))
 
 
-__all__ = ["AUTOTUNE", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "RECORDER", "TRITON_DTYPES", "DirectKernel", "TunedKernel", "arg_classes", "as_rows",
+__all__ = ["AUTOTUNE", "autotuning", "CHECK_DIRECT", "DIRECT", "MIN_BLOCK_C", "RECORDER", "TRITON_DTYPES", "DirectKernel", "TunedKernel", "arg_classes", "as_rows",
            "cast_to", "cdiv", "clear_geometry_caches", "compute_dtype", "contiguous_or", "dot_precision", "elementwise_config",
            "fit_configs", "forget_tuning", "generic_key",
            "geometry_cache",

@@ -573,3 +573,33 @@ def test_gpu_reserved_sms_shrink_the_persistent_grid_not_the_result():
         assert torch.equal(a, f)
     with launch.reserve_sms(sms - 3):  # (the reserved grid's launch records again)
         assert torch.equal(gg.grouped_gemm_fwd(x, w, split, b), full[0])
+
+
+def test_deterministic_algorithms_turn_autotuning_off(monkeypatch):
+    """Autotuning picks by timing (another process may pick another config and sum in another
+    order); under torch.use_deterministic_algorithms(True) the kernels use their fixed configs."""
+    monkeypatch.setattr(launch, "AUTOTUNE", True)
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        assert launch.autotuning()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert not launch.autotuning()
+        monkeypatch.setattr(launch, "AUTOTUNE", False)
+        torch.use_deterministic_algorithms(False)
+        assert not launch.autotuning()
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_flag_uses_the_fixed_config(monkeypatch):
+    """With autotuning on, the flag gives the bits of the fixed config (AUTOTUNE off)."""
+    x, w, b, dy, split = _data(1024, 256, 384, [300, 0, 500, 224], torch.bfloat16, "cuda")
+    fixed = gg.grouped_gemm_wgrad(dy, x, split)
+    monkeypatch.setattr(launch, "AUTOTUNE", True)
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert torch.equal(gg.grouped_gemm_wgrad(dy, x, split), fixed)
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
