@@ -34,6 +34,7 @@ from . import training_state, tuning
 from .tuning import tune
 from . import fusion_rules, rules  # noqa: E402
 from . import parallel  # noqa: E402
+from .convert import convert  # noqa: E402  (the function; the package stays importable: from fusible_ops.convert import ...)
 
 rules.install_builtin(fusion_rules.BUILTIN_RULES)
 
@@ -48,5 +49,5 @@ __all__ = [
     "MakeExtraOutput", "OperationContext", "OperationFuser", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "RMSNorm", "RuleSet",
     "ScaledSwiGLU", "SiLU", "Sequential", "SwiGLU", "check_errors", "delayed_wgrad", "device_checks", "flush_wgrad", "fusion_rules", "kernels", "make_graphed_callables",
     "match", "parallel", "register_fusion", "set_device_checks", "fuser_routing", "replay",
-    "Combine", "Dispatch", "Router", "training_state", "tune", "tuning",
+    "Combine", "Dispatch", "Router", "training_state", "tune", "tuning", "convert",
 ]
