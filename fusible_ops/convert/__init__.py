@@ -146,12 +146,13 @@ def convert_mlp(m: torch.nn.Module, name: str):
         if isinstance(spec, str):
             return f"{n}: {spec}"
         specs[n] = spec
+    drops = [f"{n} (p={c.p})" for n, c in free if isinstance(c, torch.nn.Dropout)]
+    if drops:
+        return f"has dropout {', '.join(drops)}: its place in the forward cannot be probed"
     act = _activation(m, free)
     if isinstance(act, str):
         return act
     act_name, act_fn = act
-    if isinstance(act_fn, torch.nn.Dropout):
-        return f"{act_name} is a Dropout with p={act_fn.p}: its place in the forward cannot be probed"
     kind = identify_activation(act_fn)
     if isinstance(kind, tuple):
         return f"{act_name}: {kind[1]}"

@@ -102,6 +102,9 @@ def identify_activation(fn: Callable) -> Union[str, tuple]:
 
 
 # -- linear layers -------------------------------------------------------------------------------
+_CONV1D = "a Conv1D-style layer (weight [in, out], x @ weight + bias) is not converted"
+
+
 def linear_spec(module: torch.nn.Module) -> Union[tuple, str]:
     """``(in_features, out_features, has_bias)`` when ``module`` is a leaf computing
     ``x @ weight.T + bias`` (``torch.nn.Linear``'s layout, weight [out, in]); else a reason."""
@@ -113,6 +116,8 @@ def linear_spec(module: torch.nn.Module) -> Union[tuple, str]:
         return "parameters are not a 2-D weight and an optional bias"
     out_f, in_f = w.shape
     if b is not None and tuple(b.shape) != (out_f,):
+        if tuple(b.shape) == (in_f,):
+            return f"weight {list(w.shape)} with bias {list(b.shape)}: {_CONV1D}"
         return f"bias shape {list(b.shape)} does not match the weight's {out_f} outputs"
     dev = probe_device(module)
     pw = {"weight": rand(w.shape, dev, 1)}
@@ -122,8 +127,7 @@ def linear_spec(module: torch.nn.Module) -> Union[tuple, str]:
     y = run(module, pw, x)
     if isinstance(y, Exception) or not close(y, F.linear(x, pw["weight"], pw.get("bias"))):
         why = f"raised {type(y).__name__}" if isinstance(y, Exception) else max_err(y, F.linear(x, pw["weight"], pw.get("bias")))
-        return (f"does not compute x @ weight.T + bias with weight [out, in] ({why}; a Conv1D-style "
-                f"weight [in, out] is not converted)")
+        return f"does not compute x @ weight.T + bias with weight [out, in] ({why}; {_CONV1D})"
     return in_f, out_f, b is not None
 
 
