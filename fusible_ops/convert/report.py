@@ -47,8 +47,7 @@ class ConversionReport:
             by_what = Counter((e.source, e.into) for e in self.converted)
             for (source, into), n in by_what.items():
                 names = [e.name or "(the model)" for e in self.converted if (e.source, e.into) == (source, into)]
-                shown = ", ".join(names[:3]) + (f", ... ({n} in all)" if n > 3 else "")
-                lines.append(f"  {source} -> {into}: {shown}")
+                lines.append(f"  {source} -> {into}: {', '.join(collapse(names))}")
         if self.left_alone:
             lines.append("left alone:")
             for e in self.left_alone:
@@ -56,4 +55,24 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-__all__ = ["ConversionReport", "Entry"]
+def collapse(names: list) -> list:
+    """Names that differ in one number only, as one pattern: ``model.layers.{0-31}.mlp``
+    (``{0,2,5}`` where the numbers are not a run), in first-seen order."""
+    groups: dict = {}
+    for name in names:
+        parts = name.split(".")
+        nums = [i for i, p in enumerate(parts) if p.isdigit()]
+        key = (tuple(parts[:nums[-1]]) + ("#",) + tuple(parts[nums[-1] + 1:])) if nums else (name,)
+        groups.setdefault(key, []).append(int(parts[nums[-1]]) if nums else None)
+    out = []
+    for key, nums in groups.items():
+        if nums == [None] or len(nums) == 1:
+            out.append(".".join(str(nums[0]) if p == "#" else p for p in key))
+            continue
+        run = nums == list(range(nums[0], nums[0] + len(nums)))
+        label = "{" + (f"{nums[0]}-{nums[-1]}" if run else ",".join(map(str, nums))) + "}"
+        out.append(".".join(label if p == "#" else p for p in key))
+    return out
+
+
+__all__ = ["ConversionReport", "Entry", "collapse"]
