@@ -304,3 +304,31 @@ def test_gemma2_report_says_what_converted_and_why_not():
     ids, labels = batch()
     assert_close(model(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss, torch.float32)
     assert type(model.lm_head) is torch.nn.Linear and "forward" not in model.__dict__  # (the probe was undone)
+
+
+def test_torch_compile_training_steps_no_break_no_recompile():
+    """``torch.compile`` (aot_eager on CPU) of a converted model training with labels: no graph
+    break, one graph over steps with new inputs, the eager model's loss and gradients."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = fo.convert(tiny("llama"))
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    graphs = []
+    for step in range(3):
+        ids, labels = batch(step)
+        model.zero_grad()
+        twin.zero_grad()
+        loss, want = compiled(input_ids=ids, labels=labels).loss, twin(input_ids=ids, labels=labels).loss
+        loss.backward()
+        want.backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+        assert_close(loss, want, torch.float32)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert graphs == [1] * 3, graphs
+    got, eager = grads(model), grads(twin)
+    for name, g in eager.items():
+        assert_close_norm(got[name], g, torch.float32, msg=name)
+    torch._dynamo.reset()

@@ -269,8 +269,8 @@ def convert(model: torch.nn.Module, *, recipe=None, module_filter_fn: Optional[C
             report.add(name, _cls(m), into)
             break
     _convert_head(root, report, module_filter_fn, made)
-    for new in made:
-        new.recipe = recipe
+    for new in made:  # (not an attribute assignment: on an op that bumps its state version, and a fuser seeing a
+        new.__dict__["recipe"] = recipe  # version change inside a torch.compile trace re-plans there: a recompile)
     root.fusible_ops_report = report
     if verbose:
         print(report)

@@ -44,8 +44,6 @@ class DeferredLogits:
     """Stands for the logits while the loss is fused: holds the head's input. Any use other than
     handing it to the model's loss raises :class:`LogitsUsed`, naming the use."""
 
-    __slots__ = ("hidden",)
-
     def __init__(self, hidden: torch.Tensor) -> None:
         self.hidden = hidden
 
@@ -58,7 +56,9 @@ class DeferredLogits:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         raise cls._used(getattr(func, "__name__", str(func)))
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str):  # (only for attributes it does not have)
+        if name.startswith("__"):  # (protocol lookups, e.g. by copy or torch.compile: the usual answer)
+            raise AttributeError(name)
         raise self._used(f".{name}")
 
 
@@ -213,7 +213,7 @@ def candidate(model: torch.nn.Module) -> Optional[tuple]:
 
 def install(model: torch.nn.Module, name: str, old: torch.nn.Module, weight, source: str) -> Optional[str]:
     """Put the fused head in place of ``old`` (``model.<name>``), then probe: the model's loss on
-    8 random tokens (evaluation mode, no grad) with logits and with the fused loss must agree
+    8 random tokens (no grad, the same random seed) with logits and with the fused loss must agree
     within the tolerance of the weight's dtype. Returns None, or the reason it was undone."""
     ref_loss = _for_causal_lm_loss()
     original = model.loss_function
@@ -244,18 +244,20 @@ def _probe(model, head: ConvertedLMHead, weight) -> Optional[str]:
     g = torch.Generator(device="cpu")
     g.manual_seed(5)
     ids = torch.randint(0, head.out_features, (1, 8), generator=g).to(weight.device)
-    was = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            ref = model(input_ids=ids, labels=ids, skip_logits=False)
-            got = model(input_ids=ids, labels=ids, skip_logits=True)
+    outs = []
+    try:  # (in the model's own mode: a train()/eval() switch bumps the ops' state versions, and a fuser that
+        # sees them change inside a torch.compile trace re-plans there, which costs the compiled model a recompile;
+        # the same seed for both calls, so any dropout draws the same masks)
+        devices = [weight.device] if weight.device.type == "cuda" else []
+        for skip in (False, True):
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                torch.manual_seed(5)
+                outs.append(model(input_ids=ids, labels=ids, skip_logits=skip))
     except LogitsUsed as e:
         return str(e)
     except Exception as e:
         return f"the probe with labels raised {type(e).__name__}: {e}"
-    finally:
-        model.train(was)
+    ref, got = outs
     ref_l, got_l = _first(ref), _first(got)
     if not (torch.is_tensor(ref_l) and torch.is_tensor(got_l)):
         return "the probe with labels returned no loss"
