@@ -24,6 +24,7 @@ and the head is left alone with that reason.
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Optional
 
 import torch
@@ -156,7 +157,10 @@ class FusedLossForward:
     forward (plus ``skip_logits``) for ``inspect`` (``generate()`` reads it)."""
 
     def __init__(self, model: torch.nn.Module, head: ConvertedLMHead) -> None:
-        self.model = model
+        # (the model holds this object as its forward: a strong reference back would be a cycle that keeps the
+        # parameters alive after ``del model`` until the cyclic GC runs; copies and pickles hold it strongly in
+        # between, so a copy's forward runs the copy, as fusible ops' lent parameters do)
+        self._model = weakref.ref(model)
         self.head = head
         sig = inspect.signature(type(model).forward)
         params = list(sig.parameters.values())[1:]  # (without self)
@@ -169,8 +173,18 @@ class FusedLossForward:
             params.append(extra)
         self.__signature__ = sig.replace(parameters=params)
 
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model()
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, _model=self._model())
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _model=weakref.ref(state["_model"]))
+
     def __call__(self, *args, skip_logits: Optional[bool] = None, **kwargs):
-        model = self.model
+        model = self._model()
         pos = self.labels_pos
         labels = args[pos] if pos is not None and len(args) > pos else kwargs.get("labels")
         fuse = labels is not None and (model.training if skip_logits is None else skip_logits)
