@@ -435,9 +435,10 @@ def cast_block_mapped_ref(x: torch.Tensor, rowmap: torch.Tensor, pow2: bool = Fa
     ``rowmap[r] < 0``)."""
     x2 = _rows(x)
     q, s, _, _ = cast_block_ref(x2, False, pow2, False, dtype)
-    xp = x2.new_zeros(rowmap.shape[0], x2.shape[1])
-    keep = rowmap >= 0
-    xp[keep] = x2[rowmap[keep].long()]
+    if x2.shape[0] == 0:
+        xp = x2.new_zeros(rowmap.shape[0], x2.shape[1])
+    else:  # (a gather and a select, no boolean mask: static shapes, so torch.compile traces it)
+        xp = torch.where((rowmap >= 0)[:, None], x2[rowmap.clamp(min=0).long()], x2.new_zeros(()))
     _, _, qt, st = cast_block_ref(xp, False, pow2, True, dtype)
     return q, s, qt, st
 
