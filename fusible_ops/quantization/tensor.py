@@ -64,6 +64,18 @@ class _Float8Reads:
         out = dequantize_2d(self._data, self._scale_inv, self._scaling)
         return out.to(dtype or self.dtype).reshape(self.shape)
 
+    def _set_parts(self, data, scale_inv, scaling: str, data_t, scale_inv_t, recipe) -> None:
+        self._data = data
+        self._scale_inv = scale_inv
+        self._data_t = data_t
+        self._scale_inv_t = scale_inv_t
+        self._scaling = scaling
+        self._recipe = recipe
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(shape={list(self.shape)}, dtype={self.dtype}, fp8={self._data.dtype}, "
+                f"scaling={self._scaling!r}, colwise={self._data_t is not None})")
+
 
 class Float8Tensor(_Float8Reads, torch.Tensor):
     """FP8 data with its scales (see the module docstring). Build with
@@ -75,12 +87,7 @@ class Float8Tensor(_Float8Reads, torch.Tensor):
                 requires_grad: bool = False):
         self = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=data.device,
                                                    requires_grad=requires_grad)
-        self._data = data
-        self._scale_inv = scale_inv
-        self._data_t = data_t
-        self._scale_inv_t = scale_inv_t
-        self._scaling = scaling
-        self._recipe = recipe
+        self._set_parts(data, scale_inv, scaling, data_t, scale_inv_t, recipe)
         return self
 
     def __deepcopy__(self, memo) -> "Float8Tensor":
@@ -95,10 +102,6 @@ class Float8Tensor(_Float8Reads, torch.Tensor):
                            scale_inv_t=inv_t, recipe=self._recipe)
         memo[id(self)] = new
         return new
-
-    def __repr__(self) -> str:
-        return (f"Float8Tensor(shape={list(self.shape)}, dtype={self.dtype}, fp8={self._data.dtype}, "
-                f"scaling={self._scaling!r}, colwise={self._data_t is not None})")
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -121,12 +124,7 @@ class TracedFloat8(_Float8Reads):
     def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, shape, *, scaling: str,
                  data_t: Optional[torch.Tensor] = None, scale_inv_t: Optional[torch.Tensor] = None,
                  recipe=None) -> None:
-        self._data = data
-        self._scale_inv = scale_inv
-        self._data_t = data_t
-        self._scale_inv_t = scale_inv_t
-        self._scaling = scaling
-        self._recipe = recipe
+        self._set_parts(data, scale_inv, scaling, data_t, scale_inv_t, recipe)
         self.dtype = dtype
         self.shape = torch.Size(shape)
         self.requires_grad = False
@@ -157,10 +155,6 @@ class TracedFloat8(_Float8Reads):
 
     def size(self, dim: Optional[int] = None):
         return self.shape if dim is None else self.shape[dim]
-
-    def __repr__(self) -> str:
-        return (f"TracedFloat8(shape={list(self.shape)}, dtype={self.dtype}, fp8={self._data.dtype}, "
-                f"scaling={self._scaling!r}, colwise={self._data_t is not None})")
 
 
 FLOAT8_TYPES = (Float8Tensor, TracedFloat8)
