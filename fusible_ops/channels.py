@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .quantization.tensor import Float8Tensor
+from .quantization.tensor import is_float8
 
 
 class Channels:
@@ -58,7 +58,7 @@ class Channels:
         values: dict = {}
         y = x
         for op, idx, kwargs, direct, plain_in in plan.forward_program:
-            if plain_in and type(y) is Float8Tensor:
+            if plain_in and is_float8(y):
                 y = y.dequantize()
             if direct:
                 y = op.op_forward(ctxs[idx], y, **kwargs)

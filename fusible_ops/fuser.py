@@ -43,7 +43,7 @@ from .op import BasicOperation, OperationContext, check_loss_last, set_fuser_fac
 from .quantization.recipes import current_recipe
 from .quantization.recipes import scope as fp8_scope
 from .quantization.recipes import state as fp8_state
-from .quantization.tensor import Float8Tensor
+from .quantization.tensor import TracedFloat8, is_float8
 from .rules import COST_HINTS, FusionContext, RuleSet, disabled_key, global_rules, plan_pass
 from .channels import find_channels
 
@@ -377,7 +377,7 @@ class OperationFuser:
         self.last_key = key
         if self._wgrad_flagged and plan.requires_grad:
             check_flagged_ops(self.ops, params, plan.param_counts)
-        native = (plan.cpu_autograd and CPU_AUTOGRAD and type(x) is not Float8Tensor
+        native = (plan.cpu_autograd and CPU_AUTOGRAD and not is_float8(x)
                   and (current_mode() != "triton" if not x.is_cuda else
                        x.numel() <= NATIVE_MAX_NUMEL and current_mode() == "auto"))
         if ((not plan.requires_grad or native)
@@ -455,6 +455,8 @@ class _FuserFunction(torch.autograd.Function):
     def forward(func_ctx, x, fuser: OperationFuser, plan: Plan, num_extra: int, *args):
         ctxs = [OperationContext(rg, irg, wrg, t) for rg, irg, wrg, t in plan.ctx_flags]
         y, extra_outputs = _run_forward(fuser, plan, ctxs, x, args[:num_extra] if num_extra else ())
+        if type(y) is TracedFloat8:  # (traced: an FP8 output, e.g. of a Quantize last, leaves as its values)
+            y = y.dequantize()
         has_extra_out = fuser.num_extra_outputs != 0
         if plan.requires_grad:
             # Route every op's saved tensors through autograd (saved-tensor hooks, offloading,
@@ -533,7 +535,7 @@ def _fuser_backward(func_ctx, dy, grad_extra_outputs_flat):
     param_grads: list[tuple] = list(plan.no_param_grads)
     grad_extra_in: list[tuple] = list(fuser._none_extra_grads)
     for op, idx, gq, direct, plain_in in plan.backward_program:
-        if plain_in and type(dy) is Float8Tensor:
+        if plain_in and is_float8(dy):
             dy = dy.dequantize()
         if direct:  # one basic op, its own op_backward (idx: its index)
             c = ctxs[idx]
@@ -568,7 +570,7 @@ def _fuser_backward(func_ctx, dy, grad_extra_outputs_flat):
             ctxs[i]._saved = ()
     if not plan.backward_complete:
         dy = None
-    elif type(dy) is Float8Tensor:  # autograd gets plain gradients
+    elif is_float8(dy):  # autograd gets plain gradients
         dy = dy.dequantize()
     dx = dy if x_requires_grad else None
     if plan.keep_all:
@@ -588,7 +590,7 @@ def _run_forward(fuser: OperationFuser, plan: Plan, ctxs: list, x: torch.Tensor,
     extra_outputs: list[tuple] = [()] * len(ctxs)
     y = x
     for op, idx, kwargs, direct, plain_in in plan.forward_program:
-        if plain_in and type(y) is Float8Tensor:
+        if plain_in and is_float8(y):
             y = y.dequantize()  # an op that reads plain tensors
         if direct:  # one basic op, its own op_forward (idx: its index)
             y = op.op_forward(ctxs[idx], y, **kwargs)

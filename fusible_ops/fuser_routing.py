@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from .fuser_extensions import PlanExtension, register_plan_extension
 from .op import reads_fp8
 from .ops.moe_routing import routing_layout
-from .quantization.tensor import Float8Tensor
+from .quantization.tensor import is_float8
 
 if TYPE_CHECKING:
     from .fuser_plan import Plan
@@ -60,7 +60,7 @@ class RoutedSteps:
         extra_outputs = [()] * len(ops)
         y = x
         for op, idx, kwargs, region, sources in self.fwd:
-            if type(y) is Float8Tensor and not reads_fp8(op, ops[idx[0]]):
+            if is_float8(y) and not reads_fp8(op, ops[idx[0]]):
                 y = y.dequantize()
             ex = [tuple([getattr(routings[r], f) for f in fed]) if fed else extra_inputs[i] for i, r, fed in sources]
             extra = {} if region is None else {"routing": routings[region]}
@@ -75,7 +75,7 @@ class RoutedSteps:
         param_grads = [(None,) * c for c in self.param_counts]
         grad_extra_in = [None] * len(ops)
         for op, idx, gq, region in self.bwd:
-            if type(dy) is Float8Tensor and not reads_fp8(op, ops[idx[-1]]):
+            if is_float8(dy) and not reads_fp8(op, ops[idx[-1]]):
                 dy = dy.dequantize()
             extra = {} if region is None else {"routing": routings[region]}
             if gq is not None:

@@ -30,7 +30,7 @@ from ..ops.linear import BasicLinear, Bias
 from ..ops.misc import Dropout
 from ..ops.validation import check_input, native_dtype_ok
 from ..quantization.recipes import current_recipe
-from ..quantization.tensor import Float8Tensor
+from ..quantization.tensor import is_float8
 from ..rules import match, rule
 
 
@@ -77,7 +77,7 @@ class ForwardLinearBiasActivation(FusedOperation):
         (lin, li), (bias, bi), (act, ai), (drop, di) = r["linear"], r["bias"], r["act"], r["dropout"]
         if (lin is not None and drop is None and not ctxs[0].requires_grad
                 and native_dtype_ok(x, act is not None and act.gated)
-                and type(x) is not Float8Tensor and current_recipe() is None and not use_triton(x)):
+                and not is_float8(x) and current_recipe() is None and not use_triton(x)):
             return self._native(ctxs[li], x, lin, bias, act, self._odd_glu), self._no_extras
         if lin is not None:
             if act is None or not use_triton(x):  # the bias in the GEMM's epilogue (addmm)

@@ -56,7 +56,7 @@ from ..ops.linear import BasicLinear
 from ..ops.misc import AddExtraInput
 from ..ops.validation import check_input, check_same
 from ..quantization.recipes import current_recipe
-from ..quantization.tensor import Float8Tensor
+from ..quantization.tensor import is_float8
 from ..rules import rule
 
 _autocast_on = torch.is_autocast_enabled
@@ -86,7 +86,7 @@ class ForwardLinearAdd(FusedOperation):
         if w is None:
             w = linear.weight
         check_input(linear, x, features=linear.in_features, like=w)
-        if type(x) is Float8Tensor:
+        if is_float8(x):
             x = x.dequantize()
         n = linear.out_features
         _check_residual(add, residual, x, n)

@@ -54,7 +54,7 @@ from ..ops.loss import CrossEntropy, reduce_rows, row_scale
 from ..ops.validation import check_input
 from ..quantization.casting import cached_weight, quantize
 from ..quantization.recipes import Float8CurrentScaling, current_recipe
-from ..quantization.tensor import Float8Tensor
+from ..quantization.tensor import is_float8
 from ..rules import rule
 
 CHUNK_BYTES = 128 << 20
@@ -109,7 +109,7 @@ class LinearCrossEntropy(FusedOperation):
         (targets,) = extra_inputs[1]
         vocab = lin.out_features
         t = ce.check_targets((*x.shape[:-1], vocab), vocab, targets, x.device)
-        if type(x) is Float8Tensor:
+        if is_float8(x):
             x = x.dequantize()
         x2 = x.reshape(-1, lin.in_features)
         n = x2.shape[0]

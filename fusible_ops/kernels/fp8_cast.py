@@ -10,6 +10,9 @@ clearing the mantissa bits, and ``q = fp8(clamp(x * scale, -fp8_max, fp8_max))``
 nearest even: the GPU's saturating conversion instruction, which is the clamp; under the
 interpreter a clamp and an exact fp32 rounding first, see ``_to_fp8``).
 
+While ``torch.compile`` traces, the public functions run the refs (plain torch ops, which the
+compiler fuses), not the launchers: a direct launch cannot be traced.
+
 Scale layouts are the ones ``torch._scaled_mm`` reads on Hopper:
 
 * per tensor: a 0-dim fp32 ``scale_inv``.
@@ -435,9 +438,10 @@ def cast_block_mapped_ref(x: torch.Tensor, rowmap: torch.Tensor, pow2: bool = Fa
     ``rowmap[r] < 0``)."""
     x2 = _rows(x)
     q, s, _, _ = cast_block_ref(x2, False, pow2, False, dtype)
-    xp = x2.new_zeros(rowmap.shape[0], x2.shape[1])
-    keep = rowmap >= 0
-    xp[keep] = x2[rowmap[keep].long()]
+    if x2.shape[0] == 0:
+        xp = x2.new_zeros(rowmap.shape[0], x2.shape[1])
+    else:  # (a gather and a select, no boolean mask: static shapes, so torch.compile traces it)
+        xp = torch.where((rowmap >= 0)[:, None], x2[rowmap.clamp(min=0).long()], x2.new_zeros(()))
     _, _, qt, st = cast_block_ref(xp, False, pow2, True, dtype)
     return q, s, qt, st
 
@@ -450,7 +454,7 @@ def _dispatch(name, dtype, x, launch, ref, *args):
     if dtype not in _FMAX:
         raise TypeError(f"{name}: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
     x2 = _rows(x)
-    triton_ok = HAS_TRITON and x2.dtype in TRITON_DTYPES and use_triton(x2)
+    triton_ok = HAS_TRITON and x2.dtype in TRITON_DTYPES and use_triton(x2) and not torch.compiler.is_compiling()
     return (launch if triton_ok else ref)(x2, *args)
 
 
@@ -481,7 +485,7 @@ def delayed_update(hist: torch.Tensor, scale: torch.Tensor, r: int, fmax: float,
     that is 0), then ``hist[:, r]`` rolled down by one with a new newest entry 0 (the cast that
     follows raises it to its tensor's amax)."""
     L = hist.shape[0]
-    if HAS_TRITON and use_triton(hist):
+    if HAS_TRITON and use_triton(hist) and not torch.compiler.is_compiling():
         args = (hist, scale, amax if amax is not None else scale, L, r, hist.stride(0))
         meta = dict(FMAX=float(fmax), MAX_ALGO=bool(max_algo), WEIGHT=amax is not None,
                     BLOCK_L=max(16, 1 << (L - 1).bit_length()), num_warps=4)

@@ -32,7 +32,9 @@ def fp8_capable(device: torch.device) -> bool:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ok = _FP8_CAPABLE.get(idx)
     if ok is None:
-        ok = _FP8_CAPABLE[idx] = torch.cuda.get_device_capability(idx) >= (8, 9)
+        ok = torch.cuda.get_device_capability(idx) >= (8, 9)
+        if not torch.compiler.is_compiling():  # (a trace writes no global state: dynamo would guard on it)
+            _FP8_CAPABLE[idx] = ok
     return ok
 
 

@@ -418,9 +418,9 @@ def padded_rowmap(split_sizes: torch.Tensor, M: int) -> torch.Tensor:
     layout, -1 for a padding row (the inverse of :func:`padded_index`). One launch (Triton), or
     the torch ops of :func:`padded_rowmap_ref`; no host sync either way. Split sizes that are
     negative or do not sum to M (reported by the device-side split check) never map a row
-    outside [0, M)."""
+    outside [0, M). Traced by torch.compile: the torch ops."""
     G = split_sizes.shape[0]
-    if not (HAS_TRITON and use_triton(split_sizes)) or M == 0:
+    if not (HAS_TRITON and use_triton(split_sizes)) or M == 0 or torch.compiler.is_compiling():
         return padded_rowmap_ref(split_sizes, M)
     MP = padded_rows(M, G)
     rowmap = torch.empty(MP, dtype=torch.int32, device=split_sizes.device)

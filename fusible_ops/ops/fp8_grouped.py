@@ -41,7 +41,7 @@ from ..kernels.fp8_grouped_gemm import cast_block_padded, fp8_grouped_mm, fp8_gr
 from ..kernels.grouped_gemm import grouped_bias_grad, grouped_gemm_wgrad
 from ..quantization.casting import GradOutputQuantizer, InputQuantizer, cached_weight, quantize, with_colwise
 from ..quantization.recipes import Float8BlockScaling, current_recipe
-from ..quantization.tensor import Float8Tensor
+from ..quantization.tensor import float8, is_float8
 
 
 FP8_WGRAD_MIN_ROWS = 0
@@ -76,7 +76,7 @@ def grouped_quantizer(op, role: str):
 def _fp8_operand(t: torch.Tensor, block: bool):
     """``t`` as a per-tensor Float8Tensor the grouped kernels read as is, or None (then the
     16-bit values: a plain tensor, or a Float8Tensor of other scaling, dequantized)."""
-    if isinstance(t, Float8Tensor):
+    if is_float8(t):
         if not block and t.scaling == "tensor":
             return t
     return None
@@ -90,7 +90,7 @@ def _cast(x2d: torch.Tensor, splits: torch.Tensor, recipe, role: str, colwise: b
     (:func:`~fusible_ops.kernels.fp8_grouped_gemm.cast_block_padded`)."""
     if colwise and isinstance(recipe, Float8BlockScaling):
         q, s, qt, st = cast_block_padded(x2d, splits, recipe.power_of_two_scales)
-        return Float8Tensor(q, s, x2d.dtype, x2d.shape, scaling="1x128", recipe=recipe), (qt, st)
+        return float8(q, s, x2d.dtype, x2d.shape, scaling="1x128", recipe=recipe), (qt, st)
     q = quantize(x2d, recipe, role, transposed=colwise, owner=owner, record=record)
     return q, (q.colwise if colwise else (None, None))
 
@@ -115,7 +115,7 @@ def fp8_grouped_forward(op, ctx, x2d: torch.Tensor, splits: torch.Tensor, recipe
     _check_block_dims(op, recipe)
     block = isinstance(recipe, Float8BlockScaling)
     xq = _fp8_operand(x2d, block)  # (an FP8 input from the producer before: its FP8 weight gradient)
-    if xq is None and isinstance(x2d, Float8Tensor):
+    if xq is None and is_float8(x2d):
         x2d = x2d.dequantize()
     hp_wgrad = wg and not block and xq is None and x2d.shape[0] < FP8_WGRAD_MIN_ROWS * op.num_groups
     if xq is not None:
@@ -148,7 +148,7 @@ def fp8_grouped_backward(op, ctx, dy2d: torch.Tensor) -> tuple:
     dyq = _fp8_operand(dy2d, block)  # (from the producer after: the activation's backward)
     if dyq is not None and (hp or ctx.bias_grad):  # (these read the 16-bit rows: not handed off so)
         dyq = None
-    if isinstance(dy2d, Float8Tensor) and dyq is None:
+    if is_float8(dy2d) and dyq is None:
         dy2d = dy2d.dequantize()
     if dyq is not None:
         dyq = with_colwise(dyq) if wg else dyq

@@ -26,7 +26,7 @@ from ..grad import deliver_weight_grad
 from ..kernels.fp8_gemm import fp8_gemm
 from ..quantization.casting import cached_weight, quantize, with_colwise
 from ..quantization.recipes import Float8BlockScaling
-from ..quantization.tensor import Float8Tensor
+from ..quantization.tensor import is_float8
 
 
 def check_dims(op, recipe, m: int, n: int, k: int, wgrad: bool) -> None:
@@ -52,7 +52,7 @@ def fp8_forward(lin, ctx, x: torch.Tensor, recipe) -> torch.Tensor:
     m = x.numel() // k
     check_dims(lin, recipe, m, n, k, wg and ctx.requires_grad)
     owner = lin.param_owner("weight")
-    if isinstance(x, Float8Tensor):
+    if is_float8(x):
         xq = with_colwise(x) if (wg and ctx.requires_grad) else x
     else:
         xq = quantize(x.reshape(m, k), recipe, "input", transposed=wg and ctx.requires_grad, owner=owner,
@@ -75,7 +75,7 @@ def fp8_backward(lin, ctx, dy: torch.Tensor):
     xt_data, xt_scale, wt_data, wt_scale = ctx.saved_tensors
     n = lin.out_features
     wg = ctx.weight_grad
-    if isinstance(dy, Float8Tensor):
+    if is_float8(dy):
         dyq = with_colwise(dy) if wg else dy
     else:
         dyq = quantize(dy.reshape(-1, n), recipe, "grad_output", transposed=wg, owner=lin.param_owner("weight"),

@@ -13,7 +13,7 @@ from ..kernels.persistent import splits_assert, splits_ok
 from ..grad import WeightGradMixin, deliver_weight_grad
 from ..op import BasicOperation
 from ..quantization.casting import FP8StateMixin
-from ..quantization.tensor import Float8Tensor
+from ..quantization.tensor import float8, is_float8
 from .fp8_grouped import fp8_grouped_backward, fp8_grouped_forward, grouped_quantizer, grouped_recipe
 from .validation import check_input
 
@@ -208,7 +208,7 @@ class GroupedLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
             y = fp8_grouped_forward(self, ctx, x2d, splits, recipe)
             ctx.input_shape = x.shape
         else:
-            if type(x2d) is Float8Tensor:  # (from a Quantize op outside autocast)
+            if is_float8(x2d):  # (from a Quantize op outside autocast)
                 x2d = x2d.dequantize()
             y = self.forward_2d(x2d, splits)
             ctx.fp8 = None
@@ -222,7 +222,7 @@ class GroupedLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
         if getattr(ctx, "fp8", None) is not None:
             dx, pgrads = fp8_grouped_backward(self, ctx, dy2d)
         else:
-            dx, pgrads = self.backward_2d(ctx, dy2d.dequantize() if type(dy2d) is Float8Tensor else dy2d)
+            dx, pgrads = self.backward_2d(ctx, dy2d.dequantize() if is_float8(dy2d) else dy2d)
         if dx is not None:
             dx = dx.reshape(ctx.input_shape)
         return dx, [pgrads], [(None,)]
@@ -241,9 +241,9 @@ def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
     reshape through torch would dequantize it)."""
     if t.dim() == 2:
         return t
-    if type(t) is Float8Tensor and t.scaling == "tensor":
+    if is_float8(t) and t.scaling == "tensor":
         data, inv = t.rowwise
         colwise = t.colwise or (None, None)
-        return Float8Tensor(data.reshape(-1, k), inv, t.dtype, (t.numel() // k, k), scaling="tensor",
+        return float8(data.reshape(-1, k), inv, t.dtype, (t.numel() // k, k), scaling="tensor",
                             data_t=colwise[0], scale_inv_t=colwise[1], recipe=t._recipe)
     return t.reshape(-1, k)

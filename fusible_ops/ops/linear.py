@@ -12,7 +12,7 @@ from ..kernels.gemm import linear_dgrad, linear_fprop, linear_wgrad
 from ..op import BasicOperation, FusibleOperation
 from ..quantization.casting import FP8StateMixin, GradOutputQuantizer, InputQuantizer
 from ..quantization.recipes import current_recipe
-from ..quantization.tensor import Float8Tensor
+from ..quantization.tensor import is_float8
 from .fp8_linear import fp8_backward, fp8_forward
 from .validation import check_input
 
@@ -90,7 +90,7 @@ class BasicLinear(FP8StateMixin, WeightGradMixin, BasicOperation):
             y = fp8_forward(self, ctx, x, recipe)
             return y + bias if bias is not None else y
         ctx.fp8 = None
-        if type(x) is Float8Tensor:
+        if is_float8(x):
             x = x.dequantize()
         y = linear_fprop(x, w, bias)
         if ctx.requires_grad:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..op import BasicOperation
 from ..quantization.casting import FP8StateMixin, quantize
 from ..quantization.recipes import current_recipe
-from ..quantization.tensor import Float8Tensor
+from ..quantization.tensor import is_float8
 from .validation import check_input
 
 
@@ -40,7 +40,7 @@ class Quantize(FP8StateMixin, BasicOperation):
         check_input(self, x)
         recipe = current_recipe()
         ctx.recipe = recipe
-        if recipe is None or not self.quantize_forward or isinstance(x, Float8Tensor):
+        if recipe is None or not self.quantize_forward or is_float8(x):
             return x
         return quantize(x, recipe, "input", transposed=ctx.requires_grad, owner=self, record=ctx.training)
 
@@ -48,7 +48,7 @@ class Quantize(FP8StateMixin, BasicOperation):
         if not ctx.input_requires_grad:
             return None, ()
         recipe = ctx.recipe
-        if recipe is None or not self.quantize_backward or isinstance(dy, Float8Tensor):
+        if recipe is None or not self.quantize_backward or is_float8(dy):
             return dy, ()
         return quantize(dy, recipe, "grad_output", transposed=True, owner=self, record=ctx.training), ()
 

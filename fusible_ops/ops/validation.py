@@ -6,6 +6,8 @@ from typing import Optional
 
 import torch
 
+from ..quantization.tensor import TracedFloat8
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 NATIVE_DTYPES = (torch.float32, torch.float64)
 """Dtypes whose reference math runs in the input's own dtype (no casts): where an op needs no
@@ -32,7 +34,7 @@ def check_input(op, x: torch.Tensor, *, features: Optional[int] = None, like: Op
     also take a :data:`WIDE_PARAM_INPUTS` input). ``shape`` (optional) is checked in place of
     ``x.shape``: a fused op validates an input it has not computed yet (same dtype and device as
     ``x``) without allocating it."""
-    if not isinstance(x, torch.Tensor):
+    if not isinstance(x, torch.Tensor) and type(x) is not TracedFloat8:  # (an FP8 operand, traced)
         raise TypeError(f"{type(op).__name__}: input must be a tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{type(op).__name__}: input dtype {x.dtype} is not a floating-point dtype {FLOAT_DTYPES}")

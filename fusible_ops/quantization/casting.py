@@ -18,7 +18,7 @@ from ..kernels.fp8_cast import cast_block, cast_tensor, delayed_update, scale_fr
 from ..training_state import VersionedStateMixin
 from .recipes import (FP8_MAX, ROLES, Float8BlockScaling, Float8CurrentScaling, Float8DelayedScaling,
                       amax_reduction_group, fp8_dtype)
-from .tensor import Float8Tensor
+from .tensor import Float8Tensor, float8
 
 _ROLE_INDEX = {r: i for i, r in enumerate(ROLES)}
 _HISTORY, _SCALE = "fp8_amax_history", "fp8_scale"
@@ -50,9 +50,19 @@ def _device_of(module: torch.nn.Module):
 
 def delayed_state(owner: torch.nn.Module, recipe: Float8DelayedScaling, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(amax_history [L, 3], scale [3])`` of ``owner``, created (history 0, scale 1) on first use
-    or when the recipe's history length changes."""
+    or when the recipe's history length changes. While ``torch.compile`` traces, the state must
+    exist already (a trace cannot register buffers): else a ``RuntimeError`` says to call
+    :func:`init_delayed_state` first."""
     hist = owner._buffers.get(_HISTORY)
     if hist is None or hist.shape[0] != recipe.amax_history_len or hist.device != device:
+        if torch.compiler.is_compiling():
+            have = "none" if hist is None else f"history length {hist.shape[0]} on {hist.device}"
+            raise RuntimeError(
+                f"{type(owner).__name__}: Float8DelayedScaling under torch.compile needs the delayed-scaling state "
+                f"(history length {recipe.amax_history_len} on {device}; found {have}) made before the first compiled "
+                f"call: run fusible_ops.quantization.init_delayed_state(model, recipe) (or one eager training step "
+                f"under the recipe) first."
+            )
         hist = torch.zeros(recipe.amax_history_len, len(ROLES), dtype=torch.float32, device=device)
         owner.register_buffer(_HISTORY, hist)
         owner.register_buffer(_SCALE, torch.ones(len(ROLES), dtype=torch.float32, device=device))
@@ -201,7 +211,7 @@ class InputQuantizer:
 
     def _wrap(self, dtype, shape, q, qt, inv) -> Float8Tensor:
         inv = inv.reshape(())
-        return Float8Tensor(q, inv, dtype, shape, scaling="tensor", data_t=qt,
+        return float8(q, inv, dtype, shape, scaling="tensor", data_t=qt,
                             scale_inv_t=inv if qt is not None else None, recipe=self.recipe)
 
     def __repr__(self) -> str:
@@ -233,7 +243,7 @@ def quantize(x: torch.Tensor, recipe, role: str, *, transposed: bool = False,
         q, s, qt, st = cast_block(x, square=(role == "weight"), pow2=recipe.power_of_two_scales,
                                   transposed=transposed)
         scaling = "128x128" if role == "weight" else "1x128"
-        return Float8Tensor(q, s, x.dtype, x.shape, scaling=scaling, data_t=qt, scale_inv_t=st, recipe=recipe)
+        return float8(q, s, x.dtype, x.shape, scaling=scaling, data_t=qt, scale_inv_t=st, recipe=recipe)
     dtype = fp8_dtype(recipe, role)
     inv = torch.empty(1, dtype=torch.float32, device=x.device)
     if isinstance(recipe, Float8CurrentScaling):  # the cast kernel derives the scale from the amax
@@ -246,7 +256,7 @@ def quantize(x: torch.Tensor, recipe, role: str, *, transposed: bool = False,
     else:
         raise TypeError(f"quantize: unknown recipe {recipe!r}")
     inv = inv.reshape(())
-    return Float8Tensor(q, inv, x.dtype, x.shape, scaling="tensor", data_t=qt, scale_inv_t=inv if transposed else None,
+    return float8(q, inv, x.dtype, x.shape, scaling="tensor", data_t=qt, scale_inv_t=inv if transposed else None,
                         recipe=recipe)
 
 
@@ -258,7 +268,7 @@ def with_colwise(t: Float8Tensor) -> Float8Tensor:
         return t
     data, inv = t.rowwise
     if t.scaling == "tensor":
-        return Float8Tensor(data, inv, t.dtype, t.shape, scaling="tensor", data_t=data.t().contiguous(),
+        return float8(data, inv, t.dtype, t.shape, scaling="tensor", data_t=data.t().contiguous(),
                             scale_inv_t=inv, recipe=t._recipe)
     role = "weight" if t.scaling == "128x128" else "input"
     return quantize(t.dequantize(), t._recipe, role, transposed=True)
@@ -287,11 +297,11 @@ def _cast_weight(owner, weight: torch.Tensor, recipe, transposed: bool, grouped:
         data = data.view(weight.shape)
         data_t = data.view(torch.uint8).transpose(1, 2).contiguous().view(data.dtype) if transposed else None
         if not block:
-            return Float8Tensor(data, inv, weight.dtype, weight.shape, scaling="tensor", data_t=data_t,
+            return float8(data, inv, weight.dtype, weight.shape, scaling="tensor", data_t=data_t,
                                 scale_inv_t=inv if transposed else None, recipe=recipe)
         inv = inv.view(G, N // 128, inv.shape[1])
         inv_t = inv.transpose(1, 2).contiguous() if transposed else None
-        return Float8Tensor(data, inv, weight.dtype, weight.shape, scaling="128x128", data_t=data_t,
+        return float8(data, inv, weight.dtype, weight.shape, scaling="128x128", data_t=data_t,
                             scale_inv_t=inv_t, recipe=recipe)
 
 
@@ -307,8 +317,14 @@ def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transpos
     Under CUDA-graph capture: inside :func:`fusible_ops.make_graphed_callables` the graph reads
     the cached FP8 weight's buffers (made during its warm-up) and the graphed module re-casts into
     them before a replay only when the weight's version changed (:func:`refresh_graph_weights`);
-    under any other capture the cast is captured and runs on every replay."""
+    under any other capture the cast is captured and runs on every replay.
+
+    While ``torch.compile`` traces, the cast is part of the graph and runs on every call (no
+    cache: reading its key, the parameter's storage pointer and version, in a trace would break
+    the graph, and a cache written by a trace would be guarded on); not counted."""
     record = record or not isinstance(recipe, Float8DelayedScaling)  # (only delayed scaling records)
+    if torch.compiler.is_compiling():
+        return _cast_weight(owner, weight, recipe, transposed, grouped, record)
     if _REPLAY is not None:  # a C++ replay records this call: the cached weight is one of its inputs
         entries, outside = _REPLAY
         entries.append((owner, weight, recipe, transposed, grouped, record))
