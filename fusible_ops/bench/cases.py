@@ -67,7 +67,8 @@ class Bench:
     is called as ``fn(*inputs)``) and of the output gradient. ``variants`` maps a name to that
     ``fn``; ``"fused"`` is the Sequential, ``baseline`` names the eager one. ``reference(inputs,
     y)`` (default: the baseline) gives what each variant's output and gradients are checked
-    against; ``check_output(inputs, y)`` may return a problem string.
+    against; ``check_output(inputs, y)`` may return a problem string. ``extra(name, row)``
+    returns fields added to a variant's row once it is checked (and timed, where it passed).
     """
 
     case: str
@@ -87,6 +88,8 @@ class Bench:
     check_output: Optional[Callable[[tuple, torch.Tensor], Optional[str]]] = None
     notes: dict = dataclasses.field(default_factory=dict)
     tolerances: dict = dataclasses.field(default_factory=dict)  # variant -> rel norm err bound (FP8)
+    tokens: Optional[int] = None  # tokens per call: the rows get tokens_per_s
+    extra: Optional[Callable[[str, dict], dict]] = None  # (variant, row so far) -> more fields for its row
     copies: Optional[list] = None  # filled by the harness
 
 

@@ -294,6 +294,8 @@ def run_bench(bench, timer: Timer, ceilings: Ceilings, meta: dict, device: torch
         if problem is not None:
             row["status"] = ("error: " if name == "fused" else "mismatch: ") + problem
             _log(f"{label}: {row['status']}")
+            if bench.extra is not None:
+                row.update(bench.extra(name, row))
             rows.append(row)
             free_memory(device)
             continue
@@ -308,11 +310,16 @@ def run_bench(bench, timer: Timer, ceilings: Ceilings, meta: dict, device: torch
             row["status"] = f"error: {_short_err(e)}"
             _log(f"{label}: {row['status']}")
             rows.append(row)
+            del fn, call  # (the variant's model and memory go before the next is built)
             free_memory(device)
             continue
         row.update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, n_iters=t.n_iters, host_ms=t.host_ms,
                    queue_ahead=timer.queue_ahead, peak_mib=None if pooled else _peak_mib(call, device),
                    saved_mib=None if pooled else _saved_mib(fn, bench.copies[0][0], targets[0], device))
+        if bench.tokens:
+            row["tokens_per_s"] = bench.tokens / (t.median_ms * 1e-3)
+        if bench.extra is not None:
+            row.update(bench.extra(name, row))
         if bench.metric == "bytes":
             row["gbps"] = bench.work / (t.median_ms * 1e-3) / 1e9
             row["pct_of_ceiling"] = 100.0 * row["gbps"] / ceilings.copy_gbps

@@ -16,6 +16,7 @@ FIELDS = [
     "tflops", "ceiling", "pct_of_ceiling", "speedup_vs_eager", "speedup_vs_grouped_mm", "rel_err",
     "rules_forward", "rules_backward", "expected_rules", "first_call_s", "copy_gbps", "matmul_tflops",
     "autograd_floor_ms", "fp8_tflops", "peak_mib", "saved_mib", "driver", "command", "quick", "note",
+    "tokens_per_s", "loss", "loss_ref", "grad_rel_err", "step_peak_mib",
 ]
 """The columns of a row (CSV header order)."""
 

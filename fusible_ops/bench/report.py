@@ -20,7 +20,7 @@ from typing import Optional
 
 from .common import is_fp8_variant
 from .convergence_report import CASE as CONVERGENCE, convergence_section
-from .targets import target_lines
+from .targets import HF_BF16_PEERS, fastest_of, target_lines
 
 FAMILIES = [
     ("Elementwise and normalization", ("bias_gelu", "swiglu", "residual_rmsnorm", "gelu_dropout", "layernorm",
@@ -31,6 +31,7 @@ FAMILIES = [
     ("MoE layer", ("moe_layer", "moe_copies")),
     ("Model stacks (attention + blocks, bf16 and FP8)", ("dense_layers", "moe_layers")),
     ("LM head", ("lm_head",)),
+    ("Hugging Face models (training step)", ("hf_models",)),
     ("Distributed (torchrun)", ("tp_mlp", "ep_moe")),
 ]
 """(title, cases) of each table, in page order; cases of no family go to a last "Other" table."""
@@ -117,6 +118,36 @@ def _family_table(groups: dict, cases) -> list[str]:
             peak, saved = ("", "") if "graphed" in name else (_f(r.get("peak_mib"), 0), _f(r.get("saved_mib"), 0))
             lines.append(f"| {case} | {config} | {name} | {_f(r.get('median_ms'))} | {p} | {_f(r.get('host_ms'))} "
                          f"| {rate} | {pct} | {peak} | {saved} | {ratio} "
+                         f"| {status if status != 'ok' else ''} |")
+    return lines
+
+
+def _hf_table(groups: dict) -> list[str]:
+    """The ``hf_models`` rows: one training step per row, with tokens/s, the step's peak memory,
+    the loss and gradients against the float32 model, and the time against the fastest peer of
+    the same precision (bf16: HF eager, compile, Liger; FP8: torchao)."""
+    lines = ["`peak GiB`: the step's peak memory (parameters, gradients, activations, workspace). `loss - fp32`, "
+             "`grad err`: against the same weights in float32 (global relative norm error of all gradients). "
+             "`vs fastest peer`: that peer's time / the row's (above 1: the row is faster).", "",
+             "| config | variant | ms/step | tokens/s | rate | % of ceiling | peak GiB | loss | loss - fp32 | grad err "
+             "| vs fastest peer | status |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for (case, config), variants in groups.items():
+        if case != "hf_models":
+            continue
+        fp8_peers = [n for n in variants if n.startswith("torchao")]
+        for name, r in variants.items():
+            ms = _num(r.get("median_ms"))
+            best = fastest_of(groups, case, config, fp8_peers if is_fp8_variant(name) else HF_BF16_PEERS)
+            vs = f"{best[1] / ms:.2f}x ({best[0]})" if best and ms else ""
+            loss, ref = _num(r.get("loss")), _num(r.get("loss_ref"))
+            delta = f"{loss - ref:+.4f}" if loss is not None and ref is not None else ""
+            err, peak = _num(r.get("grad_rel_err")), _num(r.get("step_peak_mib"))
+            pct = _f(r.get("pct_of_ceiling"), 1, "%")
+            status = r.get("status") or ""
+            lines.append(f"| {config} | {name} | {_f(ms, 1)} | {_f(r.get('tokens_per_s'), 0)} "
+                         f"| {_f(r.get('tflops'), 1, ' TFLOP/s')} | {pct + ' ' + (r.get('ceiling') or '') if pct else ''} "
+                         f"| {'' if peak is None else f'{peak / 1024:.2f}'} "
+                         f"| {_f(loss, 4)} | {delta} | {'' if err is None else f'{err:.2e}'} | {vs} "
                          f"| {status if status != 'ok' else ''} |")
     return lines
 
@@ -298,7 +329,7 @@ def _family_sections(groups: dict, img_dir: Optional[str]) -> list[str]:
             name = f"bench_{_slug(title)}.png"
             if _plot(groups, cases, os.path.join(img_dir, name), title):
                 lines += [f"![{title}](docs/img/{name})", ""]
-        lines += _family_table(groups, cases)
+        lines += _hf_table(groups) if cases == ("hf_models",) else _family_table(groups, cases)
     return lines
 
 

@@ -49,6 +49,41 @@ def kept(case: str, config: str, variant: str, than: str, goal: float):
     return check
 
 
+def fastest_of(groups: Groups, case: str, config: str, variants) -> Optional[tuple[str, float]]:
+    """(name, median ms) of the fastest of ``variants`` in the run, or None where none has a time."""
+    times = [(v, _get(groups, case, config, v, "median_ms")) for v in variants]
+    times = [(v, ms) for v, ms in times if ms is not None]
+    return min(times, key=lambda t: t[1]) if times else None
+
+
+def fastest(case: str, config: str, ours, peers, goal: float):
+    """The fastest of ``ours`` is at least ``goal`` times as fast as the fastest of ``peers``."""
+    def check(groups: Groups):
+        a, b = fastest_of(groups, case, config, ours), fastest_of(groups, case, config, peers)
+        if a is None or b is None:
+            return None
+        return f"{b[1] / a[1]:.2f}x ({a[0]} {a[1]:.1f} vs {b[0]} {b[1]:.1f} ms)", b[1] / a[1] >= goal
+    return check
+
+
+def step_peak(case: str, config: str, ours, than: str, goal: float):
+    """The training step's peak memory (``step_peak_mib``) of the fastest of ``ours`` is at most
+    ``goal`` times ``than``'s."""
+    def check(groups: Groups):
+        a = fastest_of(groups, case, config, ours)
+        b = _get(groups, case, config, than, "step_peak_mib")
+        m = None if a is None else _get(groups, case, config, a[0], "step_peak_mib")
+        if m is None or not b:
+            return None
+        return f"{m / b:.2f}x ({a[0]} {m / 1024:.1f} vs {than} {b / 1024:.1f} GiB)", m / b <= goal
+    return check
+
+
+HF_OURS_BF16 = ("fused", "fused_compile")
+HF_BF16_PEERS = ("eager", "compile", "liger")
+"""Ours and the peers of the ``hf_models`` bf16 targets (FP8: ``fp8_current`` vs torchao)."""
+
+
 def hidden(case: str, config: str, goal: float):
     """Of the exchange's time alone (config ``<config>_comm``, variant ``comm_alone``), the fraction
     the overlap hides: ``(no_overlap - fused) / comm_alone`` is at least ``goal``."""
@@ -89,6 +124,16 @@ TARGETS: list[tuple[int, str, Callable]] = [
     (42, "d=2048 stack: FP8 eager >= 1.15x our bf16 eager", faster("dense_layers", "L4_d2048", "fp8_current", "fused", 1.15)),
     (42, "d=2048 stack: FP8 graphed >= 1.3x our bf16 graphed",
      faster("dense_layers", "L4_d2048", "graphed_fp8", "graphed", 1.3)),
+    (64, "HF Llama-3-8B-shaped, 2 layers, bf16 step: ours (fused or fused_compile) >= 1.05x the fastest bf16 peer "
+         "(HF eager, compile, Liger)", fastest("hf_models", "llama3_8b_L2", HF_OURS_BF16, HF_BF16_PEERS, 1.05)),
+    (64, "HF Llama-3-8B-shaped bf16: that variant's step peak memory <= Liger's",
+     step_peak("hf_models", "llama3_8b_L2", HF_OURS_BF16, "liger", 1.0)),
+    (64, "HF Llama-3-8B-shaped FP8: ours (fp8_current) >= 1.2x torchao float8 tensorwise + compile",
+     faster("hf_models", "llama3_8b_L2", "fp8_current", "torchao_tensorwise_compile", 1.2)),
+    (64, "HF Qwen3-30B-A3B-shaped, 2 layers, bf16 step: ours >= 1.3x the fastest bf16 peer",
+     fastest("hf_models", "qwen3_30b_a3b_L2", HF_OURS_BF16, HF_BF16_PEERS, 1.3)),
+    (64, "HF Qwen3-30B-A3B-shaped bf16: that variant's step peak memory <= 0.7x HF eager's",
+     step_peak("hf_models", "qwen3_30b_a3b_L2", HF_OURS_BF16, "eager", 0.7)),
     (46, "EP=2 step <= 1.25x the one-GPU step (per-GPU throughput >= 0.8x)",
      faster("ep_moe", "ep2", "fused", "single_gpu", 0.8)),
     (46, "EP=2: hidden fraction of the all-to-alls >= 70%", hidden("ep_moe", "ep2", 0.7)),
@@ -107,4 +152,5 @@ def target_lines(groups: Groups) -> list[str]:
     return lines
 
 
-__all__ = ["TARGETS", "faster", "hidden", "kept", "pct", "rate", "target_lines"]
+__all__ = ["HF_BF16_PEERS", "HF_OURS_BF16", "TARGETS", "faster", "fastest", "fastest_of", "hidden", "kept", "pct", "rate",
+           "step_peak", "target_lines"]
