@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import fusible_ops as fo
-from fusible_ops.convert import to_original_names
 from fusible_ops.convert.modules import ConvertedMLP
 from fusible_ops.convert.moe import ConvertedMoE
 from fusible_ops.testing import SQNR_DB, assert_close, assert_close_norm, assert_close_scaled, assert_sqnr
@@ -26,29 +25,18 @@ from fusible_ops.testing import SQNR_DB, assert_close, assert_close_norm, assert
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-B, S, V, E = 2, 16, 128, 8
+from test_convert import (batch, check_fp8_step, check_greedy_generate, check_save_pretrained_both_ways,  # noqa: E402
+                          check_state_dict_round_trips, grads, train_against)  # (the dense models' tests' helpers)
+from test_convert import tiny as dense_tiny  # noqa: E402
+
 MOE_BLOCK = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock",
              "qwen2_moe": "Qwen2MoeSparseMoeBlock"}
 
 
 def tiny(arch: str = "qwen3_moe", seed: int = 0, **overrides) -> torch.nn.Module:
-    """A 2-layer MoE model of ``arch``: hidden 64, 8 experts of width 32, top-2, 4 heads of 16 (2
-    KV heads), vocab 128; the aux-loss coefficient 0.1 (so its gradient counts in the tests)."""
-    cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-               vocab_size=V, max_position_embeddings=64, num_experts_per_tok=2, router_aux_loss_coef=0.1,
-               attn_implementation="eager", pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    cfg.update({"qwen3_moe": dict(num_experts=E, moe_intermediate_size=32, intermediate_size=128),
-                "mixtral": dict(num_local_experts=E, intermediate_size=32),
-                "qwen2_moe": dict(num_experts=E, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                  intermediate_size=128)}[arch])
-    cfg.update(overrides)
-    config_cls, model_cls = {
-        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
-        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
-        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
-    }[arch]
-    torch.manual_seed(seed)
-    return model_cls(config_cls(**cfg))
+    """A 2-layer MoE model of ``arch`` (tests/test_convert.py's ``ARCHS``: hidden 64, 8 experts of
+    width 32, top-2, vocab 128), its aux-loss coefficient 0.1 (so its gradient counts here)."""
+    return dense_tiny(arch, seed, **{"router_aux_loss_coef": 0.1, **overrides})
 
 
 def float64_twin(model) -> torch.nn.Module:
@@ -56,26 +44,6 @@ def float64_twin(model) -> torch.nn.Module:
     ref = copy.deepcopy(model).double()
     ref.config._experts_implementation = "eager"
     return ref
-
-
-def batch(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, V, (B, S), generator=g)
-    labels = ids.clone()
-    labels[0, :3] = -100  # (ignored tokens)
-    return ids, labels
-
-
-def grads(model) -> dict:
-    return to_original_names(model, {n: p.grad for n, p in model.named_parameters()})
-
-
-def same_state(a, b) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert list(sa) == list(sb)
-    for k, v in sa.items():
-        assert v.shape == sb[k].shape and v.dtype == sb[k].dtype, k
-        assert torch.equal(v, sb[k]), k
 
 
 # -- what converts ------------------------------------------------------------------------------------
@@ -114,10 +82,11 @@ def test_parameters_are_the_original_objects(arch):
     for name in (n for n in before if ".mlp." in n and ".shared_expert." not in n):
         assert after[name] is before[name], name
     if arch == "qwen2_moe":
+        report = model.fusible_ops_report
         assert isinstance(block.shared_expert, ConvertedMLP)
-        assert "model.layers.0.mlp.shared_expert" in model.fusible_ops_report.names()
-        assert "sigmoid(shared_expert_gate(x)) * shared_expert(x)" in model.fusible_ops_report.converted[0].into \
-            or any("shared_expert_gate" in e.into for e in model.fusible_ops_report.converted)
+        assert "model.layers.0.mlp.shared_expert" in report.names()
+        entry = next(e for e in report.converted if e.name == "model.layers.0.mlp")
+        assert entry.into.endswith(" + sigmoid(shared_expert_gate(x)) * shared_expert(x)")
 
 
 # -- numerics --------------------------------------------------------------------------------------------
@@ -132,35 +101,17 @@ def test_training_matches_unconverted_float32(arch, overrides):
     ref = float64_twin(model)
     conv = fo.convert(model)
     assert all(isinstance(conv.model.layers[i].mlp, ConvertedMoE) for i in range(2))
-    opt = torch.optim.AdamW(conv.parameters(), lr=1e-2)
-    before = {k: v.clone() for k, v in conv.state_dict().items()}
-    for step in range(3):
-        ref.load_state_dict(conv.state_dict())
-        ids, labels = batch(step)
-        kw = {"output_router_logits": True} if step else {}
-        conv.zero_grad()
-        ref.zero_grad()
-        out = conv(input_ids=ids, labels=labels, **kw)
-        want = ref(input_ids=ids, labels=labels, **kw)
-        assert_close(out.loss, want.loss, torch.float32, msg=f"step {step} loss")
-        if step:
-            assert_close(out.aux_loss, want.aux_loss, torch.float32, msg=f"step {step} aux loss")
-            assert len(out.router_logits) == 2
-            for got_l, want_l in zip(out.router_logits, want.router_logits):
-                assert_close(got_l, want_l, torch.float32, msg="router logits")
-        else:
+
+    def router_outputs(step, out, want):
+        if not step:
             assert out.aux_loss is None
-        out.loss.backward()
-        want.loss.backward()
-        got = grads(conv)
-        for name, p in ref.named_parameters():
-            assert got[name] is not None, name
-            assert_close_norm(got[name], p.grad, torch.float32, msg=f"step {step} {name}")
-        with torch.no_grad():
-            assert_close(conv(input_ids=ids).logits, ref(input_ids=ids).logits, torch.float32, msg="logits")
-        opt.step()
-    after = conv.state_dict()
-    assert all(not torch.equal(before[k], after[k]) for k in before), "every parameter trained"
+            return
+        assert_close(out.aux_loss, want.aux_loss, torch.float32, msg=f"step {step} aux loss")
+        assert len(out.router_logits) == 2
+        for got_l, want_l in zip(out.router_logits, want.router_logits):
+            assert_close(got_l, want_l, torch.float32, msg="router logits")
+
+    train_against(conv, ref, lambda step: {"output_router_logits": True} if step else {}, router_outputs)
 
 
 def test_training_matches_unconverted_bf16():
@@ -264,16 +215,7 @@ def test_routing_ties_resolve_as_the_original():
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_state_dict_round_trips(arch):
     """Keys (in order), shapes, dtypes and values stay the original's; load_state_dict both ways."""
-    model = tiny(arch)
-    original = copy.deepcopy(model)
-    conv = fo.convert(model)
-    same_state(conv, original)
-    other = tiny(arch, seed=1)
-    conv.load_state_dict(other.state_dict())
-    same_state(conv, other)
-    fresh = tiny(arch, seed=2)
-    fresh.load_state_dict(conv.state_dict())
-    same_state(fresh, other)
+    conv, other = check_state_dict_round_trips(lambda seed: tiny(arch, seed=seed))
     ids, _ = batch()
     with torch.no_grad():  # (the ops compute with what was loaded)
         assert_close(conv.eval()(input_ids=ids).logits, other.eval()(input_ids=ids).logits, torch.float32)
@@ -281,30 +223,13 @@ def test_state_dict_round_trips(arch):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_save_pretrained_from_pretrained_both_ways(arch, tmp_path):
-    model = tiny(arch)
-    original = copy.deepcopy(model)
-    conv = fo.convert(model)
-    cls = type(original)
-    conv.save_pretrained(tmp_path / "converted")
-    same_state(cls.from_pretrained(tmp_path / "converted"), original)
-    original.save_pretrained(tmp_path / "original")
-    again = fo.convert(cls.from_pretrained(tmp_path / "original"))
-    same_state(again, original)
-    assert again.fusible_ops_report.names() == conv.fusible_ops_report.names()
+    check_save_pretrained_both_ways(tiny(arch), tmp_path)
 
 
 # -- generation, FP8 ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_greedy_generate_same_tokens(arch):
-    model = tiny(arch).eval()
-    ref = copy.deepcopy(model)
-    conv = fo.convert(model)
-    prompt, _ = batch()
-    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
-    want = ref.generate(prompt[:, :5], **kw)
-    got = conv.generate(prompt[:, :5], **kw)
-    assert got.shape == (B, 25)
-    assert torch.equal(got, want)
+    check_greedy_generate(tiny(arch))
 
 
 def test_fp8_emulation_within_sqnr_table():
@@ -316,16 +241,7 @@ def test_fp8_emulation_within_sqnr_table():
     model = tiny("qwen3_moe")
     ref = float64_twin(model)
     conv = fo.convert(model, recipe=recipe)
-    ids, labels = batch()
-    loss = conv(input_ids=ids, labels=labels, output_router_logits=True).loss
-    want = ref(input_ids=ids, labels=labels, output_router_logits=True).loss
-    loss.backward()
-    want.backward()
-    fmt = recipe.fp8_format
-    assert_sqnr(loss, want, SQNR_DB["output", fmt], msg="loss")
-    got = grads(conv)
-    for name, p in ref.named_parameters():
-        assert_sqnr(got[name], p.grad, SQNR_DB["grad", fmt], msg=name)
+    ids, fmt = check_fp8_step(conv, ref, recipe.fp8_format, output_router_logits=True)
     owners = conv.model.layers[0].mlp.fusible_weights
     assert owners["experts_gate_up_proj"].fp8_weight_casts == 1 and owners["experts_down_proj"].fp8_weight_casts == 1
     conv.eval()

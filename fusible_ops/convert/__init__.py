@@ -214,7 +214,7 @@ def convert(model: torch.nn.Module, *, recipe=None, module_filter_fn: Optional[C
     The report (:class:`~fusible_ops.convert.report.ConversionReport`: every module converted, every
     candidate left alone with the reason) is attached as ``model.fusible_ops_report``.
     ``state_dict()`` keys, shapes and dtypes stay the original's. Parameters are kept (norms, plain
-    MLPs, down projections, the head), except a gated MLP's gate and up weights, fused into one new
+    MLPs, down projections, MoE routers and experts, the head), except a gated MLP's gate and up weights, fused into one new
     parameter: build the optimizer after ``convert()`` (an optimizer holding a replaced parameter
     raises at ``step()``)."""
     if recipe is not None and not isinstance(recipe, RECIPES):

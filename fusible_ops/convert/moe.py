@@ -36,7 +36,8 @@ from ..quantization.casting import FP8StateMixin
 from ..quantization.recipes import autocast
 from ..sequential import Sequential
 from .modules import GATED_OPS, copy_plain_attributes, has_hooks
-from .probe import ACTIVATIONS, PROBE_ROWS, close, find_activation, identify_activation, max_err, probe_device, rand, run
+from .probe import (ACTIVATIONS, PROBE_ROWS, close, find_activation, identify_activation, max_err, probe_device, rand,
+                    run)
 
 TOP_K_ATTRS = ("top_k", "num_experts_per_tok")
 """Attributes of the router, then the block, then their ``config``, the top-k is read from."""
@@ -133,12 +134,14 @@ def find_moe(block: torch.nn.Module) -> Union[None, str, dict]:
     rname = next(n for n, p in rparams.items() if p.dim() == 2 and p.shape[0] == parts["num_experts"])
     extra = [n for n in rparams if n != rname] + [n for n, b in router.named_buffers(recurse=False) if b is not None]
     if extra:
-        return (f"router {r} holds {', '.join(extra)} besides its weight (a bias or an expert score correction): "
+        return (f"the router ({r}) holds {', '.join(extra)} besides its weight (a bias or an expert score correction): "
                 f"fo.Router has no such term")
     d = rparams[rname].shape[1]
-    own = _own(block)
-    if own:
-        return f"the block holds parameters of its own ({', '.join(own)})"
+    for owner, what in ((block, "the block"), (experts, x)):
+        own = [n for n, _ in owner.named_parameters(recurse=False)] if owner is block else []
+        own += [n for n, b in owner.named_buffers(recurse=False) if b is not None]
+        if own:
+            return f"{what} holds {', '.join(own)} (tensors the converted block would not compute with)"
     w = {n: p for n, p in _own(experts).items() if p.dim() == 3}
     if len(w) != 2 or len(_own(experts)) != 2:
         return (f"{x} holds {', '.join(_own(experts))}: exactly two 3-D expert weights (no expert biases) are "
@@ -221,10 +224,11 @@ def probe_moe(block: torch.nn.Module, spec: dict) -> Union[tuple, str]:
     t2d = tokens.reshape(-1, d)
     extra = 0.0
     with torch.no_grad():
-        if spec["shared"] is not None:
-            extra = run(block._modules[spec["shared"]], _sub(params, spec["shared"]), t2d)
-            if spec["shared_gate"] is not None:
-                extra = torch.sigmoid(run(block._modules[spec["shared_gate"]], _sub(params, spec["shared_gate"]), t2d)) * extra
+        shared, gate = spec["shared"], spec["shared_gate"]
+        if shared is not None:
+            extra = run(block._modules[shared], _sub(params, shared), t2d)
+            if gate is not None:
+                extra = torch.sigmoid(run(block._modules[gate], _sub(params, gate), t2d)) * extra
         w = (params[f"{r}.{spec['router_weight']}"], params[f"{x}.{spec['fc1']}"], params[f"{x}.{spec['fc2']}"])
         refs = [(routed_reference(t2d, *w, spec["top_k"], score, norm, ACTIVATIONS[spec["act"]]) + extra).reshape(
             tokens.shape) for score, norm in ROUTINGS]
@@ -284,8 +288,9 @@ class ConvertedMoE(torch.nn.Module):
         for name, child in block._modules.items():  # (the original order: state_dict keys keep theirs)
             self._modules[name] = child
         router, experts = block._modules[spec["router"]], block._modules[spec["experts"]]
-        w_r, w1, w2 = getattr(router, spec["router_weight"]), getattr(experts, spec["fc1"]), getattr(experts, spec["fc2"])
-        e, d, f = w2.shape[0], w2.shape[1], w2.shape[2]
+        w_r, w1, w2 = (getattr(router, spec["router_weight"]), getattr(experts, spec["fc1"]),
+                       getattr(experts, spec["fc2"]))
+        e, d, f = w2.shape
         owners = {f"{spec['router']}_{spec['router_weight']}": LentWeight(router, spec["router_weight"]),
                   f"{spec['experts']}_{spec['fc1']}": LentWeight(experts, spec["fc1"]),
                   f"{spec['experts']}_{spec['fc2']}": LentWeight(experts, spec["fc2"])}
@@ -297,12 +302,8 @@ class ConvertedMoE(torch.nn.Module):
         for op, owner in zip(ops, owners.values()):
             op.lend_parameters(owner, ("weight",))
         setattr(self, FUSED, Sequential(ops[0], Dispatch(), ops[1], GATED_OPS[spec["act"]](), ops[2], Combine()))
-        self.__dict__.update(source=source, recipe=None, spec=dict(spec), hidden_size=d)
+        self.__dict__.update(source=source, recipe=None, spec=dict(spec), _hidden=d)
         copy_plain_attributes(block, self)
-
-    @property
-    def router(self) -> torch.nn.Module:
-        return self._modules[self.spec["router"]]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         recipe, fused = self.__dict__.get("recipe"), self._modules[FUSED]
@@ -311,15 +312,16 @@ class ConvertedMoE(torch.nn.Module):
         else:
             with autocast(recipe=recipe):
                 y, _ = fused(hidden_states)
-        x2d = hidden_states.reshape(-1, self.hidden_size)
-        if _observed(self.router):
-            self.router(x2d)
-        shared, gate = self.spec["shared"], self.spec["shared_gate"]
-        if shared is not None:
-            out = self._modules[shared](x2d)
-            if gate is not None:
-                out = torch.sigmoid(self._modules[gate](x2d)) * out
-            y = (y.reshape(-1, self.hidden_size) + out).reshape(y.shape)
+        spec, d = self.spec, self._hidden
+        x2d = hidden_states.reshape(-1, d)
+        router = self._modules[spec["router"]]
+        if _observed(router):
+            router(x2d)
+        if spec["shared"] is not None:
+            out = self._modules[spec["shared"]](x2d)
+            if spec["shared_gate"] is not None:
+                out = torch.sigmoid(self._modules[spec["shared_gate"]](x2d)) * out
+            y = (y.reshape(-1, d) + out).reshape(y.shape)
         return y
 
     def fusion_plan(self, pass_: str = "forward") -> list:
