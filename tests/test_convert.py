@@ -26,17 +26,30 @@ transformers.logging.set_verbosity_error()
 B, S, V = 2, 16, 128
 
 
+ARCHS = {  # name -> (config class, model class, config entries of its own)
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, {}),
+    # MoE (tests/test_convert_moe.py): 8 experts of width 32, top-2
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(num_experts=8, moe_intermediate_size=32, num_experts_per_tok=2)),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(num_local_experts=8, intermediate_size=32, num_experts_per_tok=2)),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                  dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       num_experts_per_tok=2)),
+}
+
+
 def tiny(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
-    """A 2-layer model of ``arch`` with hidden 64, MLP 128, 4 heads of 16 (2 KV heads), vocab 128."""
+    """A 2-layer model of ``arch`` (:data:`ARCHS`) with hidden 64, MLP 128, 4 heads of 16 (2 KV
+    heads), vocab 128."""
+    config_cls, model_cls, own = ARCHS[arch]
     cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, vocab_size=V, max_position_embeddings=64,
                attn_implementation="eager", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg.update(own)
     cfg.update(overrides)
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
-    }[arch]
     torch.manual_seed(seed)
     return model_cls(config_cls(**cfg))
 
@@ -60,6 +73,96 @@ def same_state(a, b) -> None:
     for k, v in sa.items():
         assert v.shape == sb[k].shape and v.dtype == sb[k].dtype, k
         assert torch.equal(v, sb[k]), k
+
+
+def train_against(conv, ref, kwargs=lambda step: {}, check=None, steps: int = 3) -> None:
+    """``steps`` AdamW steps of the converted float32 model ``conv``; at each, ``ref`` (the
+    unconverted model in float64) loads its state dict and must give the same loss, logits and
+    gradients (the table's float32 entries). ``kwargs(step)``: more arguments of the step's call;
+    ``check(step, out, want)``: more assertions on the two outputs. Every parameter must train."""
+    opt = torch.optim.AdamW(conv.parameters(), lr=1e-2)
+    before = {k: v.clone() for k, v in conv.state_dict().items()}
+    for step in range(steps):
+        ref.load_state_dict(conv.state_dict())
+        ids, labels = batch(step)
+        kw = kwargs(step)
+        conv.zero_grad()
+        ref.zero_grad()
+        out = conv(input_ids=ids, labels=labels, **kw)
+        want = ref(input_ids=ids, labels=labels, **kw)
+        assert_close(out.loss, want.loss, torch.float32, msg=f"step {step} loss")
+        if check is not None:
+            check(step, out, want)
+        out.loss.backward()
+        want.loss.backward()
+        got = grads(conv)
+        for name, p in ref.named_parameters():
+            assert got[name] is not None, name
+            assert_close_norm(got[name], p.grad, torch.float32, msg=f"step {step} {name}")
+        with torch.no_grad():
+            assert_close(conv(input_ids=ids).logits, ref(input_ids=ids).logits, torch.float32, msg="logits")
+        opt.step()
+    after = conv.state_dict()
+    assert all(not torch.equal(before[k], after[k]) for k in before), "every parameter trained"
+
+
+def check_state_dict_round_trips(make):
+    """``make(seed)`` builds an unconverted model: the converted one's state dict is the original's
+    (keys in order, shapes, dtypes, values), and ``load_state_dict`` works both ways. Returns the
+    converted model and the model whose weights it loaded."""
+    model = make(0)
+    original = copy.deepcopy(model)
+    conv = fo.convert(model)
+    same_state(conv, original)
+    other = make(1)  # different weights
+    conv.load_state_dict(other.state_dict())
+    same_state(conv, other)
+    fresh = make(2)
+    fresh.load_state_dict(conv.state_dict())
+    same_state(fresh, other)
+    return conv, other
+
+
+def check_save_pretrained_both_ways(model, path) -> None:
+    """``save_pretrained`` of the converted ``model`` loads into an unconverted one, and the
+    original's checkpoint loads and converts to the same state and report."""
+    original = copy.deepcopy(model)
+    cls = type(model)
+    conv = fo.convert(model)
+    conv.save_pretrained(path / "converted")
+    same_state(cls.from_pretrained(path / "converted"), original)
+    original.save_pretrained(path / "original")
+    again = fo.convert(cls.from_pretrained(path / "original"))
+    same_state(again, original)
+    assert again.fusible_ops_report.names() == conv.fusible_ops_report.names()
+
+
+def check_fp8_step(conv, ref, fmt: str, **kwargs) -> tuple:
+    """One training call with labels (and ``kwargs``) of ``conv`` (under an FP8 recipe of format
+    ``fmt``) and of ``ref`` (float64): the loss and every gradient within the SQNR table. Returns
+    the batch's ids and ``fmt``."""
+    ids, labels = batch()
+    loss, want = conv(input_ids=ids, labels=labels, **kwargs).loss, ref(input_ids=ids, labels=labels, **kwargs).loss
+    loss.backward()
+    want.backward()
+    assert_sqnr(loss, want, SQNR_DB["output", fmt], msg="loss")
+    got = grads(conv)
+    for name, p in ref.named_parameters():
+        assert_sqnr(got[name], p.grad, SQNR_DB["grad", fmt], msg=name)
+    return ids, fmt
+
+
+def check_greedy_generate(model) -> None:
+    """Greedy ``generate()`` of the converted ``model`` gives the unconverted model's 20 tokens."""
+    model.eval()
+    ref = copy.deepcopy(model)
+    conv = fo.convert(model)
+    prompt, _ = batch()
+    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    want = ref.generate(prompt[:, :5], **kw)
+    got = conv.generate(prompt[:, :5], **kw)
+    assert got.shape == (B, 25)
+    assert torch.equal(got, want)
 
 
 # -- what converts ---------------------------------------------------------------------------------
@@ -107,29 +210,11 @@ def test_training_matches_unconverted_float32(arch, tied):
     model = tiny(arch, tie_word_embeddings=tied)
     ref = copy.deepcopy(model).double()
     conv = fo.convert(model)
-    opt = torch.optim.AdamW(conv.parameters(), lr=1e-2)
-    before = {k: v.clone() for k, v in conv.state_dict().items()}
-    for step in range(3):
-        ref.load_state_dict(conv.state_dict())
-        ids, labels = batch(step)
-        kw = {"num_items_in_batch": torch.tensor(20)} if step == 2 else {}
-        conv.zero_grad()
-        ref.zero_grad()
-        out = conv(input_ids=ids, labels=labels, **kw)
-        want = ref(input_ids=ids, labels=labels, **kw)
+
+    def no_logits(step, out, want):
         assert out.logits is None  # (training with labels: the logits are never made)
-        assert_close(out.loss, want.loss, torch.float32, msg=f"step {step} loss")
-        out.loss.backward()
-        want.loss.backward()
-        got = grads(conv)
-        for name, p in ref.named_parameters():
-            assert got[name] is not None, name
-            assert_close_norm(got[name], p.grad, torch.float32, msg=f"step {step} {name}")
-        with torch.no_grad():
-            assert_close(conv(input_ids=ids).logits, ref(input_ids=ids).logits, torch.float32, msg="logits")
-        opt.step()
-    after = conv.state_dict()
-    assert all(not torch.equal(before[k], after[k]) for k in before), "every parameter trained"
+
+    train_against(conv, ref, lambda step: {"num_items_in_batch": torch.tensor(20)} if step == 2 else {}, no_logits)
     if tied:
         assert conv.lm_head.weight is conv.model.embed_tokens.weight
 
@@ -192,16 +277,7 @@ def test_eval_with_labels_makes_logits_and_skip_logits():
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_state_dict_round_trips(arch):
     """Keys (in order), shapes, dtypes and values stay the original's; load_state_dict both ways."""
-    model = tiny(arch)
-    original = copy.deepcopy(model)
-    conv = fo.convert(model)
-    same_state(conv, original)
-    other = tiny(arch, seed=1)  # different weights
-    conv.load_state_dict(other.state_dict())
-    same_state(conv, other)
-    fresh = tiny(arch, seed=2)
-    fresh.load_state_dict(conv.state_dict())
-    same_state(fresh, other)
+    conv, other = check_state_dict_round_trips(lambda seed: tiny(arch, seed=seed))
     # the converted model's own parameter names load too (the fused gate/up under its own name)
     conv2 = fo.convert(tiny(arch, seed=3))
     conv2.load_state_dict(dict(conv.named_parameters()), strict=False)
@@ -223,16 +299,7 @@ def test_partial_load_reports_missing_under_original_names():
 
 
 def test_save_pretrained_from_pretrained_both_ways(tmp_path):
-    model = tiny("qwen3")
-    original = copy.deepcopy(model)
-    conv = fo.convert(model)
-    conv.save_pretrained(tmp_path / "converted")
-    plain = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "converted")
-    same_state(plain, original)
-    original.save_pretrained(tmp_path / "original")
-    again = fo.convert(transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "original"))
-    same_state(again, original)
-    assert again.fusible_ops_report.names() == conv.fusible_ops_report.names()
+    check_save_pretrained_both_ways(tiny("qwen3"), tmp_path)
 
 
 def test_optimizer_built_before_convert_raises():
@@ -250,15 +317,7 @@ def test_optimizer_built_before_convert_raises():
 # -- generation, FP8 -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_greedy_generate_same_tokens(arch):
-    model = tiny(arch).eval()
-    ref = copy.deepcopy(model)
-    conv = fo.convert(model)
-    prompt, _ = batch()
-    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
-    want = ref.generate(prompt[:, :5], **kw)
-    got = conv.generate(prompt[:, :5], **kw)
-    assert got.shape == (B, 25)
-    assert torch.equal(got, want)
+    check_greedy_generate(tiny(arch))
 
 
 def test_fp8_emulation_within_sqnr_table():
@@ -271,15 +330,7 @@ def test_fp8_emulation_within_sqnr_table():
     ref = copy.deepcopy(model).double()
     conv = fo.convert(model, recipe=recipe)
     assert conv.fusible_ops_report.recipe is recipe
-    ids, labels = batch()
-    loss, want = conv(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss
-    loss.backward()
-    want.backward()
-    fmt = recipe.fp8_format
-    assert_sqnr(loss, want, SQNR_DB["output", fmt], msg="loss")
-    got = grads(conv)
-    for name, p in ref.named_parameters():
-        assert_sqnr(got[name], p.grad, SQNR_DB["grad", fmt], msg=name)
+    ids, fmt = check_fp8_step(conv, ref, recipe.fp8_format)
     assert conv.model.layers[0].mlp[0].fp8_weight_casts == 1 and conv.lm_head.fp8_weight_casts == 1
     conv.eval()
     with torch.no_grad():

@@ -13,11 +13,15 @@ class name, so architectures never tested convert too:
   ``down(act(gate(x)) * up(x))`` as ``Linear(d, 2f), SwiGLU/GEGLU/ReGLU, Linear(f, d)`` (gate and
   up fused into one parameter, see modules.py), an already fused ``[2f, d]`` gate-first projection
   as it is, plain ``fc2(act(fc1(x)))`` as ``Linear, act, Linear``;
+* **MoE blocks** (Hugging Face transformers 5.x layout): a router with a weight ``[E, d]`` and
+  experts with 3-D weights ``[E, 2f, d]``, ``[E, d, f]`` (and a shared expert) ->
+  :class:`~fusible_ops.convert.moe.ConvertedMoE`: ``fo.Sequential(Router, Dispatch, GroupedLinear,
+  SwiGLU, GroupedLinear, Combine)`` over the original parameters (:mod:`fusible_ops.convert.moe`);
 * **the causal-LM head** of a Hugging Face ``*ForCausalLM`` model: the loss with labels as
   ``linear_cross_entropy`` (:mod:`fusible_ops.convert.head`).
 
-Attention and everything else stay the model's own. New kinds (MoE blocks) plug in as one more
-entry of :data:`CONVERTERS`.
+Attention and everything else stay the model's own. New kinds plug in as one more entry of
+:data:`CONVERTERS`.
 """
 
 from __future__ import annotations
@@ -26,25 +30,20 @@ from typing import Callable, Optional
 
 import torch
 
-from ..ops.activation import GEGLU, GELU, ReGLU, ReLU, SiLU, SwiGLU
 from ..quantization.recipes import RECIPES
 from . import head as _head
-from .modules import ConvertedLayerNorm, ConvertedMLP, ConvertedRMSNorm, linear_holding, retire
-from .probe import ACTIVATIONS, identify_activation, linear_spec, norm_eps, probe_mlp, probe_norm
+from .modules import (GATED_OPS, PLAIN_OPS, ConvertedLayerNorm, ConvertedMLP, ConvertedRMSNorm,
+                      copy_plain_attributes, has_hooks, linear_holding, retire)
+from .moe import ConvertedMoE, convert_moe
+from .probe import ACTIVATIONS, find_activation, identify_activation, linear_spec, norm_eps, probe_mlp, probe_norm
 from .report import ConversionReport, Entry
 
-GATED_OPS = {"silu": SwiGLU, "gelu": GEGLU, "gelu_tanh": lambda: GEGLU("tanh"), "relu": ReGLU}
-PLAIN_OPS = {"silu": SiLU, "gelu": GELU, "gelu_tanh": lambda: GELU("tanh"), "relu": ReLU}
-CONVERTED_TYPES = (ConvertedRMSNorm, ConvertedLayerNorm, ConvertedMLP, _head.ConvertedLMHead)
+CONVERTED_TYPES = (ConvertedRMSNorm, ConvertedLayerNorm, ConvertedMLP, ConvertedMoE, _head.ConvertedLMHead)
 FUSED_NAME = "gate_up_proj"
 
 
 def _cls(m) -> str:
     return type(m).__name__
-
-
-def _has_hooks(m: torch.nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
 
 
 # -- norms ---------------------------------------------------------------------------------------
@@ -79,19 +78,6 @@ _ROLE_WORDS = {"gate": ("gate", "w1"), "up": ("up", "w3"), "down": ("down", "w2"
 
 def _role_score(name: str, role: str) -> int:
     return int(any(w in name for w in _ROLE_WORDS[role]))
-
-
-def _activation(m: torch.nn.Module, free: list):
-    """``(attribute name, callable)`` of the MLP's activation, or a reason."""
-    if len(free) == 1:
-        return free[0]
-    if free:
-        return f"more than one parameter-free child ({', '.join(n for n, _ in free)})"
-    fns = [(k, v) for k, v in m.__dict__.items()
-           if callable(v) and not isinstance(v, (type, torch.Tensor, torch.nn.Module)) and not k.startswith("_")]
-    if len(fns) == 1:
-        return fns[0]
-    return "no activation (a parameter-free child module or one function attribute)"
 
 
 def _hypotheses(specs: dict):
@@ -149,7 +135,7 @@ def convert_mlp(m: torch.nn.Module, name: str):
     drops = [f"{n} (p={c.p})" for n, c in free if isinstance(c, torch.nn.Dropout)]
     if drops:
         return f"has dropout {', '.join(drops)}: its place in the forward cannot be probed"
-    act = _activation(m, free)
+    act = find_activation(m, free)
     if isinstance(act, str):
         return act
     act_name, act_fn = act
@@ -206,14 +192,11 @@ def _build_mlp(m, name: str, shape: str, roles, linear: dict, act_name: str, kin
         named = [(fused_name, first), (act_name, act), (d, linear_holding(linear[d].weight, linear[d].bias))]
         into = f"fo.Sequential(Linear, {type(act).__name__}, Linear) ({into_note})"
     new = ConvertedMLP(named, source=_cls(m), split=split, key_order=key_order)
-    for k, v in m.__dict__.items():  # (plain attributes other code may read: config, sizes)
-        if not k.startswith("_") and k != "training" and not hasattr(new, k) and (
-                k == "config" or isinstance(v, (int, float, str, bool))):
-            setattr(new, k, v)
+    copy_plain_attributes(m, new)
     return new, into
 
 
-CONVERTERS: list = [("norm", convert_norm), ("mlp", convert_mlp)]
+CONVERTERS: list = [("norm", convert_norm), ("moe", convert_moe), ("mlp", convert_mlp)]
 """``(kind, fn)``: ``fn(module, name)`` returns None (not this kind), a reason (a candidate left
 alone) or ``(replacement, description)``. Tried in order on every module, parents first."""
 
@@ -231,7 +214,7 @@ def convert(model: torch.nn.Module, *, recipe=None, module_filter_fn: Optional[C
     The report (:class:`~fusible_ops.convert.report.ConversionReport`: every module converted, every
     candidate left alone with the reason) is attached as ``model.fusible_ops_report``.
     ``state_dict()`` keys, shapes and dtypes stay the original's. Parameters are kept (norms, plain
-    MLPs, down projections, the head), except a gated MLP's gate and up weights, fused into one new
+    MLPs, down projections, MoE routers and experts, the head), except a gated MLP's gate and up weights, fused into one new
     parameter: build the optimizer after ``convert()`` (an optimizer holding a replaced parameter
     raises at ``step()``)."""
     if recipe is not None and not isinstance(recipe, RECIPES):
@@ -252,7 +235,7 @@ def convert(model: torch.nn.Module, *, recipe=None, module_filter_fn: Optional[C
                 continue
             if isinstance(found, tuple) and module_filter_fn is not None and not module_filter_fn(m, name):
                 found = "module_filter_fn returned False"
-            if isinstance(found, tuple) and _has_hooks(m):
+            if isinstance(found, tuple) and has_hooks(m):
                 found = "has module hooks (they would be lost)"
             if isinstance(found, str):
                 report.add(name, _cls(m), reason=found)
@@ -265,7 +248,8 @@ def convert(model: torch.nn.Module, *, recipe=None, module_filter_fn: Optional[C
             else:
                 root = new
             made.append(new)
-            done.append(name)
+            if not getattr(new, "convert_children", False):  # (a converted MoE block's shared expert converts too)
+                done.append(name)
             report.add(name, _cls(m), into)
             break
     _convert_head(root, report, module_filter_fn, made)
@@ -292,7 +276,7 @@ def _convert_head(model, report: ConversionReport, module_filter_fn, made: list)
         reason = "the output embedding has a bias (linear_cross_entropy takes a bias-free head)"
     elif module_filter_fn is not None and not module_filter_fn(old, name):
         reason = "module_filter_fn returned False"
-    elif _has_hooks(old):
+    elif has_hooks(old):
         reason = "has module hooks (they would be lost)"
     else:
         reason = _head.install(model, name, old, old.weight, _cls(old))

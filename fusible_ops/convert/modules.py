@@ -21,12 +21,19 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..ops.activation import GEGLU, GELU, ReGLU, ReLU, SiLU, SwiGLU
 from ..ops.linear import Linear
 from ..ops.norm import LayerNorm, RMSNorm
 from ..quantization.recipes import autocast
 from ..sequential import Sequential
 
 _LOW = (torch.bfloat16, torch.float16)
+
+GATED_OPS = {"silu": SwiGLU, "gelu": GEGLU, "gelu_tanh": lambda: GEGLU("tanh"), "relu": ReGLU}
+"""The gated fusible op (a fresh instance from calling the entry) for each activation name of
+:data:`~fusible_ops.convert.probe.ACTIVATIONS`: ``act(a) * b`` of the halves ``a, b`` of its input."""
+PLAIN_OPS = {"silu": SiLU, "gelu": GELU, "gelu_tanh": lambda: GELU("tanh"), "relu": ReLU}
+"""The plain fusible op for each activation name."""
 
 
 class _ConvertedNorm:
@@ -85,6 +92,20 @@ def linear_holding(weight: torch.nn.Parameter, bias: Optional[torch.nn.Parameter
     if bias is not None:
         lin.bias = bias
     return lin
+
+
+def has_hooks(m: torch.nn.Module) -> bool:
+    """Whether ``m`` has module hooks (a replacement would lose them)."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
+def copy_plain_attributes(old: torch.nn.Module, new: torch.nn.Module) -> None:
+    """Give ``new`` the plain attributes of ``old`` that other code may read (``config``, sizes,
+    flags: ints, floats, strings, bools) which ``new`` does not have."""
+    for k, v in old.__dict__.items():
+        if not k.startswith("_") and k != "training" and not hasattr(new, k) and (
+                k == "config" or isinstance(v, (int, float, str, bool))):
+            setattr(new, k, v)
 
 
 class ConvertedMLP(Sequential):
@@ -229,4 +250,5 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
                            f"replaced ({shown}): build the optimizer after convert()")
 
 
-__all__ = ["ConvertedLayerNorm", "ConvertedMLP", "ConvertedRMSNorm", "linear_holding", "retire", "retired_name"]
+__all__ = ["GATED_OPS", "PLAIN_OPS", "ConvertedLayerNorm", "ConvertedMLP", "ConvertedRMSNorm", "copy_plain_attributes",
+           "has_hooks", "linear_holding", "retire", "retired_name"]

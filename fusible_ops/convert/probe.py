@@ -101,6 +101,21 @@ def identify_activation(fn: Callable) -> Union[str, tuple]:
     return None, reason
 
 
+def find_activation(module: torch.nn.Module, free: list) -> Union[tuple, str]:
+    """``(attribute name, callable)`` of ``module``'s activation, or a reason: its one
+    parameter-free child (``free``: the ``(name, child)`` pairs of its parameter-free children),
+    else its one public function attribute (``self.act = F.silu``)."""
+    if len(free) == 1:
+        return free[0]
+    if free:
+        return f"more than one parameter-free child ({', '.join(n for n, _ in free)})"
+    fns = [(k, v) for k, v in module.__dict__.items()
+           if callable(v) and not isinstance(v, (type, torch.Tensor, torch.nn.Module)) and not k.startswith("_")]
+    if len(fns) == 1:
+        return fns[0]
+    return "no activation (a parameter-free child module or one function attribute)"
+
+
 # -- linear layers -------------------------------------------------------------------------------
 _CONV1D = "a Conv1D-style layer (weight [in, out], x @ weight + bias) is not converted"
 
@@ -220,5 +235,5 @@ def probe_mlp(module: torch.nn.Module, linears: dict, act: Callable, gated: Opti
     return max_err(y, ref)
 
 
-__all__ = ["ACTIVATIONS", "EPS_ATTRS", "close", "identify_activation", "linear_spec", "norm_eps", "probe_mlp",
-           "probe_norm", "rand", "run"]
+__all__ = ["ACTIVATIONS", "EPS_ATTRS", "close", "find_activation", "identify_activation", "linear_spec", "norm_eps",
+           "probe_mlp", "probe_norm", "rand", "run"]
