@@ -123,12 +123,15 @@ def test_resume_in_a_fresh_process_is_bit_exact(runs, recipe):
     for t, (a, b) in enumerate(zip(w["steps"], steps)):
         assert torch.equal(a["loss"], b["loss"]), f"step {t}: loss {a['loss'].item()} != {b['loss'].item()}"
         _assert_equal(a["grads"], b["grads"], f"step {t} gradients")
+        assert torch.equal(a["expert_bias"], b["expert_bias"]), f"step {t}: the router's expert_bias differs"
     _assert_equal(w["state"], r["state"], "model state")
     _assert_equal(w["opt"], r["opt"], "optimizer state")
     state = r["state"]
     if recipe == "delayed":  # the library state the checkpoint carried (and the frozen weight's)
         assert state["dense.6.fp8_amax_history"][0, 1] > 0 and state["moe.2.fp8_amax_history"].shape == (4, 3)
-    assert state["moe.0.expert_bias"].abs().sum() > 0
+    # the balancing state moved in the resumed steps (sign steps of +-rate: after an even number
+    # of them the bias can be back at exactly 0, as on CUDA, so any step after the resume counts)
+    assert any(s["expert_bias"].abs().sum() > 0 for s in r["steps"])
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def forward(model, x: torch.Tensor, recipe) -> tuple:
 def train_step(model, opt, recipe, t: int) -> dict:
     """One step on batch ``t``: forward, backward, the delayed weight gradients, main_grad handed
     to the optimizer as ``.grad``, AdamW, the router's balancing step. Returns the loss and every
-    gradient the optimizer used (clones)."""
+    gradient the optimizer used and the router's ``expert_bias`` after the step (clones)."""
     x, target = batch(t, next(model.parameters()).device)
     y, aux = forward(model, x, recipe)
     loss = (y - target).square().mean() + aux
@@ -89,7 +89,7 @@ def train_step(model, opt, recipe, t: int) -> dict:
     for p in mains.values():
         p.main_grad.zero_()
     model["moe"][0].update_expert_bias(1e-2)
-    return {"loss": loss.detach().clone(), "grads": grads}
+    return {"loss": loss.detach().clone(), "grads": grads, "expert_bias": model["moe"][0].expert_bias.clone()}
 
 
 def run(model, opt, recipe, steps: range) -> list:
