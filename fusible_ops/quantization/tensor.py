@@ -148,10 +148,7 @@ class TracedFloat8(_Float8Reads):
         return len(self.shape)
 
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return self.shape.numel()
 
     def size(self, dim: Optional[int] = None):
         return self.shape if dim is None else self.shape[dim]
