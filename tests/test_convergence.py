@@ -123,8 +123,8 @@ def test_stdlib_corpus_split_and_batches():
 def runs():
     corpus = load_corpus(CFG.corpus_bytes)
     states = {kind: conv.initial_state(CFG, kind, 0) for kind in ("dense", "moe")}
-    return {v: conv.train(v, CFG, corpus=corpus, state=states[spec.kind]) for v, spec in conv.VARIANTS.items()}, \
-        corpus, states
+    return {v: conv.train(v, CFG, corpus=corpus, state=states[spec.kind]) for v, spec in conv.VARIANTS.items()
+            if not spec.diagnostic}, corpus, states
 
 
 def test_every_variant_trains_like_its_reference(runs):
@@ -136,7 +136,10 @@ def test_every_variant_trains_like_its_reference(runs):
         assert len(r["train_loss"]) == CFG.steps and r["val_steps"][-1] == CFG.steps
         assert r["train_loss"][0] == pytest.approx(math.log(256), abs=0.1)
         assert r["final_val_loss"] < 0.65 * math.log(256), name
+    assert set(REFERENCES) >= set(results) - {"torch_bf16", "moe_bf16"}
     for name, ref in REFERENCES.items():
+        if conv.VARIANTS[name].diagnostic:
+            continue
         figures = compare(results[name], results[ref])
         ok, fails = judge(figures, CI_TARGETS[kind_of(name)])
         assert ok, (name, ref, figures, fails)
@@ -203,6 +206,60 @@ def test_models_run_their_fusions_and_share_the_initial_weights(runs):
         assert torch.equal(p, q) and p.dtype == torch.bfloat16
     assert conv.lr_at(0, 100, CFG) == pytest.approx(CFG.lr / 5)
     assert conv.lr_at(99, 100, CFG) == pytest.approx(CFG.lr * CFG.min_lr_ratio, rel=1e-3)
+
+
+def test_diagnostics_change_one_thing_each(runs):
+    """The diagnostic variants: not in a plain run, each judged against its variant's reference,
+    and each changes what its name says (3 steps each)."""
+    _, corpus, states = runs
+    diags = [v for v, spec in conv.VARIANTS.items() if spec.diagnostic]
+    assert diags and all(REFERENCES[v] in conv.VARIANTS for v in diags)
+    assert not any(conv.VARIANTS[REFERENCES[v]].diagnostic for v in diags)
+    assert conv.recipe_name("ours_fp8_current_e4m3") == repr(fo.Float8CurrentScaling(fp8_format="e4m3"))
+    assert conv.recipe_name("ours_bf16") is None
+    # perturbed: every weight moved by about 2^-8 relative, none by more than 6 sigma
+    base = conv.build_model("torch_bf16", CFG, "cpu", states["dense"], torch.float32)
+    pert = conv.build_model("torch_bf16_perturbed", CFG, "cpu", states["dense"], torch.float32)
+    for (name, p), q in zip(base.named_parameters(), pert.parameters()):
+        rel = (q - p).abs() / p.abs().clamp_min(1e-30)
+        assert 0 < rel.max() <= 6 * 2.0**-8, name
+    # the bf16 head: the layers in FP8, the head's loss exactly the bf16 head's on the same input
+    model = conv.build_model("ours_fp8_current_bf16head", CFG, "cpu", states["dense"])
+    assert model.head_fp8 is False
+    x = torch.randint(0, 256, (2, CFG.seq))
+    with fo.autocast(recipe=fo.Float8CurrentScaling()):
+        loss, _ = model(x, x)
+        h = model.embed(x)
+        for layer in model.layers:
+            h = layer(h)
+        model.head_fp8 = True
+        loss_fp8_head = model.head(h.reshape(-1, CFG.d), x.reshape(-1))
+    with torch.no_grad():
+        assert torch.equal(loss, model.head(h.reshape(-1, CFG.d), x.reshape(-1)))
+        assert not torch.equal(loss, loss_fp8_head)
+    # the reference kernels: the process mode (which autograd's threads see too) is "reference"
+    # while the run trains, and restored after
+    import threading
+
+    import fusible_ops.kernels as K
+
+    seen, loop = [], conv._train_loop
+
+    def spy(*args, **kwargs):
+        t = threading.Thread(target=lambda: seen.append(K.current_mode()))
+        t.start()
+        t.join()
+        return loop(*args, **kwargs)
+
+    before = K.current_mode()
+    conv._train_loop = spy
+    try:
+        r = conv.train("ours_fp8_current_refkernels", CFG, steps=2, corpus=corpus, state=states["dense"])
+    finally:
+        conv._train_loop = loop
+    assert r["status"] == "ok" and seen == ["reference"] and K.current_mode() == before
+    with pytest.raises(ValueError, match="set_process_mode"):
+        K.set_process_mode("nope")
 
 
 # ------------------------------------------------------------------------- command and page

@@ -53,6 +53,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import math
 import os
 import sys
@@ -67,6 +68,7 @@ import fusible_ops as fo
 
 from .cases import EPS
 from .cases_model import DenseLayer, MoELayer, PlainDenseLayer, _shared_linear, _shared_norm
+from ..kernels import set_process_mode
 from .common import device_name, driver_version, free_memory, log as _log, versions
 from .convergence_data import Corpus, load_corpus, train_offsets, val_offsets, windows
 from .convergence_metrics import judge_rows
@@ -122,7 +124,11 @@ QUICK_CONFIG = Config("quick", d=128, layers=2, heads=4, f=256, experts=4, top_k
 class Variant:
     kind: str  # "dense" or "moe"
     plain: bool  # the plain torch.nn model (dense only)
-    recipe: Optional[Callable] = None  # FP8 recipe class, None: bf16
+    recipe: Optional[Callable] = None  # returns the FP8 recipe; None: bf16
+    head_fp8: bool = True  # the LM head under the recipe too (False: bf16, fo.autocast(None) around it)
+    kernels: Optional[str] = None  # the run's kernel backend (kernels.set_process_mode), None: as the process has it
+    perturb: float = 0.0  # start from the weights times 1 + perturb * N(0, 1) (seed + 1): a rounding-sized twin
+    diagnostic: bool = False  # run only when named (--variants): a probe of why a variant misses, not a target
 
 
 VARIANTS = {
@@ -133,8 +139,31 @@ VARIANTS = {
     "ours_fp8_block": Variant("dense", False, fo.Float8BlockScaling),
     "moe_bf16": Variant("moe", False),
     "moe_fp8": Variant("moe", False, fo.Float8CurrentScaling),
+    # Diagnostics: each changes one thing of a variant that misses its targets.
+    "torch_bf16_perturbed": Variant("dense", True, perturb=2.0**-8, diagnostic=True),
+    "ours_fp8_current_e4m3": Variant("dense", False, functools.partial(fo.Float8CurrentScaling, fp8_format="e4m3"),
+                                     diagnostic=True),
+    "ours_fp8_current_bf16head": Variant("dense", False, fo.Float8CurrentScaling, head_fp8=False, diagnostic=True),
+    "ours_fp8_current_refkernels": Variant("dense", False, fo.Float8CurrentScaling, kernels="reference",
+                                           diagnostic=True),
+    "ours_fp8_delayed_e4m3": Variant("dense", False, functools.partial(fo.Float8DelayedScaling, fp8_format="e4m3"),
+                                     diagnostic=True),
+    "moe_fp8_e4m3": Variant("moe", False, functools.partial(fo.Float8CurrentScaling, fp8_format="e4m3"),
+                            diagnostic=True),
 }
-"""Every variant, in run order (a reference before the variants judged against it)."""
+"""Every variant, in run order (a reference before the variants judged against it). A plain run
+trains those without ``diagnostic``; the diagnostics (named in ``--variants``) each change one
+thing of a variant that misses its targets: the bf16 noise floor (``torch_bf16_perturbed``: torch
+from weights perturbed by bf16's rounding, judged against ``torch_bf16``), the gradients' format
+(``*_e4m3``: E4M3 gradients, not E5M2), the LM head in bf16 (``*_bf16head``) and the kernels
+(``*_refkernels``: every kernel's pure-torch ``*_ref``; the FP8 GEMMs are ``torch._scaled_mm``
+either way)."""
+
+
+def recipe_name(variant: str) -> Optional[str]:
+    """The row's ``recipe``: ``repr`` of the variant's recipe (its class and fields), None for bf16."""
+    factory = VARIANTS[variant].recipe
+    return None if factory is None else repr(factory())
 
 
 # ------------------------------------------------------------------------------------- the models
@@ -157,6 +186,7 @@ class ByteLM(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.head = fo.Sequential(fo.RMSNorm(cfg.d, eps=EPS, **factory),
                                   fo.Linear(cfg.d, VOCAB, bias=False, **factory), fo.CrossEntropy())
+        self.head_fp8 = True  # (False: the head runs in bf16 under an FP8 autocast)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor):
         h = self.embed(x)
@@ -168,7 +198,10 @@ class ByteLM(nn.Module):
                 aux = a if aux is None else aux + a
             else:
                 h = layer(h)
-        return self.head(h.reshape(-1, self.d), y.reshape(-1)), aux
+        if self.head_fp8:
+            return self.head(h.reshape(-1, self.d), y.reshape(-1)), aux
+        with fo.autocast(None):
+            return self.head(h.reshape(-1, self.d), y.reshape(-1)), aux
 
     def output_projections(self) -> list[torch.Tensor]:
         """The weights that write into the residual stream (initialized smaller, see :func:`initial_state`)."""
@@ -222,7 +255,11 @@ def build_model(variant: str, cfg: Config, device, state: dict, dtype: torch.dty
     spec = VARIANTS[variant]
     with torch.random.fork_rng(devices=[]):
         ours = ByteLM(cfg, spec.kind, device=device, dtype=dtype)
+    if spec.perturb:
+        g = torch.Generator(device="cpu").manual_seed(1)
+        state = {k: v * (1 + spec.perturb * torch.randn(v.shape, generator=g)) for k, v in sorted(state.items())}
     ours.load_state_dict(state)
+    ours.head_fp8 = spec.head_fp8
     return PlainByteLM(ours) if spec.plain else ours
 
 
@@ -296,7 +333,7 @@ def train(variant: str, cfg: Config, steps: Optional[int] = None, device="cpu", 
     if device.type == "cuda":
         free_memory(device)
         torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
     model = build_model(variant, cfg, device, state, dtype)
     params = list(model.parameters())
@@ -308,7 +345,17 @@ def train(variant: str, cfg: Config, steps: Optional[int] = None, device="cpu", 
     impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=1e-8, **impl)
     recipe = spec.recipe() if spec.recipe is not None else None
+    previous_kernels = set_process_mode(spec.kernels) if spec.kernels is not None else None
+    try:
+        return _train_loop(variant, cfg, steps, device, data_seed, model, params, master, opt, recipe, corpus, log,
+                           base)
+    finally:
+        if previous_kernels is not None:
+            set_process_mode(previous_kernels)
 
+
+def _train_loop(variant, cfg, steps, device, data_seed, model, params, master, opt, recipe, corpus, log, base) -> dict:
+    """:func:`train`'s steps, validations and result, from the built model and optimizer."""
     train_stream, val_stream = corpus.train.to(device), corpus.val.to(device)
     offsets = train_offsets(train_stream.numel(), cfg.seq, cfg.batch, steps, data_seed).to(device)
     voffsets = val_offsets(val_stream.numel(), cfg.seq, cfg.val_batches * cfg.batch).view(cfg.val_batches, cfg.batch)
@@ -380,9 +427,8 @@ def make_row(result: dict, cfg: Config, meta: dict, setup: dict) -> dict:
     """The JSON row of one :func:`train` result (its model left out)."""
     row = dict(meta)
     row.update({k: v for k, v in result.items() if k != "model"})
-    recipe = VARIANTS[result["variant"]].recipe
     row.update(case="convergence", config=cfg.name, shape=cfg.describe(), dtype="bfloat16", setup=setup,
-               tokens_per_step=cfg.tokens_per_step, recipe=recipe.__name__ if recipe else None)
+               tokens_per_step=cfg.tokens_per_step, recipe=recipe_name(result["variant"]))
     return row
 
 
@@ -390,7 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fusible_ops.bench convergence",
                                 description="Train the same byte-level LM as plain torch, as ours in bf16 and under "
                                             "each FP8 recipe (and a MoE pair), and compare their loss curves.")
-    p.add_argument("--variants", default="", help=f"comma list (default: all): {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default="", help="comma list (default: all but the diagnostics): "
+                                                  + ", ".join(VARIANTS))
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the config's)")
     p.add_argument("--quick", action="store_true", help="the CPU-sized config (default on CPU)")
     p.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
@@ -413,7 +460,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     cfg = QUICK_CONFIG if args.quick or device.type != "cuda" else GPU_CONFIG
-    names = [v.strip() for v in args.variants.split(",") if v.strip()] or list(VARIANTS)
+    names = [v.strip() for v in args.variants.split(",") if v.strip()] or [
+        v for v, spec in VARIANTS.items() if not spec.diagnostic]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         print(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}", file=sys.stderr)
@@ -469,5 +517,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 1 if failed else 0
 
 
-__all__ = ["Config", "GPU_CONFIG", "QUICK_CONFIG", "VARIANTS", "ByteLM", "PlainByteLM", "build_model", "evaluate",
+__all__ = ["Config", "GPU_CONFIG", "QUICK_CONFIG", "VARIANTS", "Variant", "recipe_name", "ByteLM", "PlainByteLM", "build_model", "evaluate",
            "initial_state", "lr_at", "main", "train"]

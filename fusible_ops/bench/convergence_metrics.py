@@ -18,8 +18,15 @@ REFERENCES = {
     "ours_fp8_delayed": "ours_bf16",
     "ours_fp8_block": "ours_bf16",
     "moe_fp8": "moe_bf16",
+    "torch_bf16_perturbed": "torch_bf16",
+    "ours_fp8_current_e4m3": "ours_bf16",
+    "ours_fp8_current_bf16head": "ours_bf16",
+    "ours_fp8_current_refkernels": "ours_bf16",
+    "ours_fp8_delayed_e4m3": "ours_bf16",
+    "moe_fp8_e4m3": "moe_bf16",
 }
-"""The run each variant is judged against (``torch_bf16`` and ``moe_bf16`` are references only)."""
+"""The run each variant is judged against (``torch_bf16`` and ``moe_bf16`` are references only;
+the diagnostics of :data:`.convergence.VARIANTS` against the reference of the variant they vary)."""
 
 TARGETS = {
     "bf16": {"val_pct": 0.5},

@@ -84,6 +84,17 @@ def use(mode: str):
         _state.mode = previous
 
 
+def set_process_mode(mode: str) -> str:
+    """Set the process-wide default mode (what ``FUSIBLE_OPS_KERNELS`` set at import) and return
+    the previous one. Unlike :func:`use`, which sets the calling thread's mode, this also reaches
+    the threads autograd runs CUDA backwards in (a whole training run on one backend)."""
+    global _ENV_MODE
+    if mode not in _MODES:
+        raise ValueError(f"kernels.set_process_mode({mode!r}): expected one of {_MODES}")
+    previous, _ENV_MODE = _ENV_MODE, mode
+    return previous
+
+
 def set_mode(mode) -> object:
     """Set this thread's dispatch mode (``None``: back to the environment's) and return the previous
     setting, for a caller that restores it in a ``finally`` (:func:`use` without its context
@@ -131,4 +142,4 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
 from fusible_ops.kernels.launch import TRITON_DTYPES, kernel_op, num_sms  # noqa: E402
 
 __all__ = ["HAS_TRITON", "InterpreterRequired", "TRITON_DTYPES", "current_mode", "interpreter_enabled", "kernel_op", "num_sms", "set_mode",
-           "use", "use_triton"]
+           "set_process_mode", "use", "use_triton"]
