@@ -3,8 +3,8 @@
 The per-row math is one Triton kernel family (:mod:`fusible_ops.kernels.cross_entropy`: loss and
 logsumexp in one pass over V, the gradient in a second), shared with the fused
 ``linear_cross_entropy`` op (:mod:`fusible_ops.fusion_rules.linear_ce`), which runs it on chunks of
-tokens. Everything is computed in float32 whatever the logits' dtype; the input gradient comes back
-in the logits' dtype.
+tokens. Everything is computed in float32 (float64 for float64 logits: :func:`loss_dtype`); the input
+gradient comes back in the logits' dtype.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ class CrossEntropy(BasicOperation):
     Returns the loss: a scalar for ``reduction="mean"`` (over the rows whose target is not
     ``ignore_index``; NaN when every row is ignored, as ``torch.nn.functional.cross_entropy``) or
     ``"sum"``, per row (the targets' shape; 0 for ignored rows) for ``"none"``. Float32 math and
-    result whatever the logits' dtype. Options, as in ``F.cross_entropy`` where it has them:
+    result for 16- and 32-bit logits, float64 for float64 logits (:func:`loss_dtype`). Options, as in
+    ``F.cross_entropy`` where it has them:
 
     * ``label_smoothing`` in [0, 1]: each row's target distribution is ``1 - eps`` on the target
       plus ``eps / V`` everywhere.
@@ -131,7 +132,7 @@ class CrossEntropy(BasicOperation):
         if not ctx.input_requires_grad:
             return None, [()], [(None,)]
         z, t, lse = ctx.saved_tensors
-        g = row_scale(dy, t, self.ignore_index, self.reduction)
+        g = row_scale(dy, t, self.ignore_index, self.reduction, lse.dtype)
         dz = ce_grad_rows(z, t, lse, g, self.options())
         return dz.reshape(ctx.logits_shape), [()], [(None,)]
 
@@ -153,10 +154,18 @@ def reduce_rows(rows: torch.Tensor, targets: torch.Tensor, ignore_index: int, re
     return total / (targets != ignore_index).sum()
 
 
-def row_scale(dy: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
-    """fp32 [rows]: d loss / d row loss times the loss's gradient ``dy`` (0 on ignored rows)."""
+def loss_dtype(logits_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the loss (and its per-row math) for logits of ``logits_dtype``: float32, float64
+    for float64 logits."""
+    return torch.promote_types(logits_dtype, torch.float32)
+
+
+def row_scale(dy: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[rows] in ``dtype`` (the loss's, :func:`loss_dtype`): d loss / d row loss times the loss's
+    gradient ``dy`` (0 on ignored rows)."""
     valid = targets != ignore_index
-    dy = dy.float()
+    dy = dy.to(dtype)
     if reduction == "none":
         g = dy.reshape(-1)
     elif reduction == "sum":
@@ -171,7 +180,7 @@ def cross_entropy_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_index:
                       logit_softcap: Optional[float] = None) -> torch.Tensor:
     """Reference: ``F.cross_entropy`` on the (soft-capped) logits in float32 (float64 stays), plus the
     z-loss over the non-ignored rows."""
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    z = logits.to(loss_dtype(logits.dtype))
     if logit_softcap is not None:
         z = logit_softcap * torch.tanh(z / logit_softcap)
     flat, t = z.reshape(-1, z.shape[-1]), targets.reshape(-1)
@@ -187,4 +196,4 @@ def cross_entropy_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_index:
     return loss.sum() / n if n > 0 else loss.sum() * math.nan
 
 
-__all__ = ["CrossEntropy", "cross_entropy_ref", "reduce_rows", "row_scale"]
+__all__ = ["CrossEntropy", "cross_entropy_ref", "loss_dtype", "reduce_rows", "row_scale"]
