@@ -45,11 +45,12 @@ def _float64(seq, x, t, dy):
     return loss, x64.grad, w.grad
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["fp64", "fp32", "bf16"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("opts", OPTIONS, ids=OPT_IDS)
 @pytest.mark.parametrize("fused", ["forward", "backward", False], ids=["grad_in_forward", "recompute", "unfused"])
 def test_loss_and_gradients_match_float64(fused, opts, reduction, dtype, monkeypatch):
+    """Loss (float32; float64 for float64 logits, fused or not), dx and dW against float64."""
     monkeypatch.setattr(LCE, "CHUNK_BYTES", V * 4 * dtype.itemsize)  # 4 rows per chunk: 3 chunks for 10 tokens
     monkeypatch.setattr(LCE, "GRAD_IN_FORWARD", fused == "forward")
     seq = _head(dtype, opts, reduction)
@@ -61,7 +62,8 @@ def test_loss_and_gradients_match_float64(fused, opts, reduction, dtype, monkeyp
         loss = seq(x, t)
         loss.backward(dy)
     assert rule == ("linear_cross_entropy" if fused else None)
-    assert loss.dtype == torch.float32 and loss.shape == (() if reduction != "none" else t.shape)
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert loss.shape == (() if reduction != "none" else t.shape)
     want_loss, want_dx, want_dw = _float64(seq, x, t, dy)
     assert_close(loss, want_loss, dtype, msg="loss")  # (the logits are a GEMM's output in x's dtype)
     assert x.grad.dtype == dtype

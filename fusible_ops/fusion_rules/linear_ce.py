@@ -5,8 +5,8 @@ The ``[T, V]`` logits are the largest activation of a language model (T=16384 to
 4 GB in bf16, 8 GB for their fp32 gradient). The fused op works through the tokens in chunks of
 :func:`chunk_rows` rows, so no ``[T, V]`` tensor is ever made or kept. Per chunk: ``logits = x_c @
 W.T`` (one GEMM in x's dtype), then one Triton kernel (:mod:`fusible_ops.kernels.cross_entropy`)
-gives the rows' loss and logsumexp in float32 and, where the gradient is made then, writes the
-logits' gradient over the logits (one chunk buffer). ``dx_c = dlogits @ W`` and ``dW += dlogits.T @
+gives the rows' loss and logsumexp in float32 (float64 for float64 x, as the unfused ops) and, where
+the gradient is made then, writes the logits' gradient over the logits (one chunk buffer). ``dx_c = dlogits @ W`` and ``dW += dlogits.T @
 x_c`` follow (:func:`~fusible_ops.kernels.gemm.linear_wgrad` into the gradient buffer, an fp32
 ``main_grad`` included: fp32 accumulation in the GEMM, one rounding per chunk). Two schedules:
 
@@ -50,7 +50,7 @@ from ..kernels.gemm import linear_fprop, linear_wgrad
 from ..op import FusedOperation
 from ..ops.fp8_linear import check_dims
 from ..ops.linear import BasicLinear
-from ..ops.loss import CrossEntropy, reduce_rows, row_scale
+from ..ops.loss import CrossEntropy, loss_dtype, reduce_rows, row_scale
 from ..ops.validation import check_input
 from ..quantization.casting import cached_weight, quantize
 from ..quantization.recipes import Float8CurrentScaling, current_recipe
@@ -126,11 +126,12 @@ class LinearCrossEntropy(FusedOperation):
             wq = cached_weight(owner, w, recipe, transposed=xg)
             gemms = _Fp8(recipe, x2.dtype, xq.rowwise, xq.colwise, wq.rowwise, wq.colwise)
         step = chunk_rows(vocab, n, x2.element_size(), fp8=recipe is not None)
-        rows = torch.empty(n, dtype=torch.float32, device=x.device)
-        lse = torch.empty(n, dtype=torch.float32, device=x.device)
+        acc = loss_dtype(x2.dtype)  # (as CrossEntropy's own: float32, float64 for float64 logits)
+        rows = torch.empty(n, dtype=acc, device=x.device)
+        lse = torch.empty(n, dtype=acc, device=x.device)
         opts = ce.options()
         if early:
-            g = row_scale(torch.ones((), device=x.device), t, ce.ignore_index, ce.reduction)
+            g = row_scale(torch.ones((), device=x.device), t, ce.ignore_index, ce.reduction, acc)
             dx = torch.empty(n, lin.in_features, dtype=x2.dtype, device=x.device) if xg else None
             new = torch.empty if n else torch.zeros  # (the first chunk writes dW)
             dw = new(w.shape, dtype=w.dtype, device=w.device) if wg else None
@@ -152,6 +153,7 @@ class LinearCrossEntropy(FusedOperation):
             lctx.input_shape = x.shape
             lctx.step = step
             lctx.early = early
+            lctx.loss_dtype = acc
             if early:
                 lctx.save_for_backward(dx, dw)
             else:
@@ -167,7 +169,7 @@ class LinearCrossEntropy(FusedOperation):
         t, lse, *tensors = lctx.saved_tensors
         gemms = _HighPrecision(*tensors) if lctx.fp8 is None else _Fp8.from_saved(lctx.fp8, tensors)
         w = lin.weight
-        g = row_scale(dy, t, ce.ignore_index, ce.reduction)
+        g = row_scale(dy, t, ce.ignore_index, ce.reduction, lse.dtype)
         opts = ce.options()
         n, step = t.shape[0], lctx.step
         dx = torch.empty(n, lin.in_features, dtype=gemms.dtype, device=t.device) if lctx.input_requires_grad else None
@@ -207,9 +209,10 @@ class LinearCrossEntropy(FusedOperation):
         tensor was modified in place, never a gradient scaled twice."""
         lin = self.basic_ops[0]
         dx, dw = lctx.saved_tensors
-        # (in place; _foreach_mul_ keeps dy in fp32 and vectorizes: a plain bf16.mul_(fp32 0-dim
-        # tensor) takes torch's mixed-dtype path, 2.6 ms for the 1 GB dW of the lm_head case, H200)
-        dy = dy.float()
+        # (in place; _foreach_mul_ keeps dy in the loss's dtype (fp32; fp64 for float64 x) and
+        # vectorizes: a plain bf16.mul_(fp32 0-dim tensor) takes torch's mixed-dtype path, 2.6 ms for
+        # the 1 GB dW of the lm_head case, H200)
+        dy = dy.to(lctx.loss_dtype)
         if dx is not None:
             torch._foreach_mul_([dx], dy)
             dx = dx.reshape(lctx.input_shape)
