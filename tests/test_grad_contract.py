@@ -3,6 +3,8 @@ weight gradients (discovered from the registry, so later ops and fusions are cov
 
 import copy
 import itertools
+import os
+import sys
 
 import pytest
 import torch
@@ -10,48 +12,19 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fusible_ops as fo
 from fusible_ops.grad import WeightGradMixin
-from fusible_ops.ops.moe import routing_layout
-from fusible_ops.rules import global_rules, rule
+from fusible_ops.rules import global_rules
 from fusible_ops.testing import assert_close_scaled, run_unfused
 
-ROWS = 7
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rule_examples import classes, example_inputs, fires, main_output, rule_sequential  # noqa: E402
 
 
 def _owns_weight(cls) -> bool:
     return isinstance(cls, type) and hasattr(cls, "register_wgrad_hook")
 
 
-def _classes(matcher_cls):
-    return matcher_cls if isinstance(matcher_cls, tuple) else (matcher_cls,)
-
-
 def _weight_ops(seq):
     return [op for op in seq.basic_ops() if isinstance(op, WeightGradMixin)]
-
-
-def _y(out):
-    """The main output (ops with extra outputs, e.g. a Router's aux loss, return a tuple)."""
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _extra_inputs(seq, x):
-    extras, g = [], torch.Generator().manual_seed(1)
-    h = x
-    layout = routing_layout(seq.basic_ops())
-    for i, op in enumerate(seq.basic_ops()):
-        if layout is not None and layout.feeds[i]:
-            pass  # a routed GroupedLinear (MoE): its split sizes come from the Router
-        elif isinstance(op, fo.GroupedLinear):
-            extras.append(torch.tensor([3, 0, ROWS - 3]))
-        elif isinstance(op, fo.ScaledSwiGLU):
-            extras.append(torch.rand(ROWS, generator=g))
-        elif isinstance(op, fo.AddExtraInput):
-            extras.append(torch.randn(ROWS, h, generator=g))
-        elif isinstance(op, fo.CrossEntropy):  # (class ids of the h logits)
-            extras.append(torch.randint(0, h, (ROWS,), generator=g))
-        if hasattr(op, "out_features"):
-            h = op.out_features if isinstance(op.out_features, int) else h
-    return extras
 
 
 def _subjects():
@@ -61,56 +34,23 @@ def _subjects():
         if _owns_weight(obj) and issubclass(obj, torch.nn.Module):
             subjects.append(pytest.param(("op", obj), id=f"op-{obj.__name__}"))
     for rule in global_rules().rules():
-        if rule.pass_ in ("backward", "joint") and any(_owns_weight(c) for m in rule.pattern for c in _classes(m.op_class)):
+        if rule.pass_ in ("backward", "joint") and any(_owns_weight(c) for m in rule.pattern for c in classes(m.op_class)):
             subjects.append(pytest.param(("rule", rule), id=f"rule-{rule.name}"))
     return subjects
 
 
 def _build(subject, seed=0):
     kind, what = subject
-    torch.manual_seed(seed)
-    if kind == "op":  # an op that cannot run alone (a Router) names the chain it runs in
-        seq = fo.Sequential(*(what._contract_ops(5) if hasattr(what, "_contract_ops") else [what._example(5)[0]]))
-    else:
-        ops, n = [], 6
-        for m in what.pattern:
-            for cls in _classes(m.op_class):
-                op, n_out = cls._example(n)
-                if m.matches(op):
-                    break
-            else:
-                pytest.fail(f"rule {what.name}: no _example of {m} matches the pattern")
-            ops.append(op)
-            n = n_out
-        if getattr(ops[0], "routing_role", None) == "dispatch":  # a MoE span runs between its Router and Combine
-            experts = next(op.num_groups for op in ops if isinstance(op, fo.GroupedLinear))
-            ops = [fo.Router(6, experts, top_k=2), *ops, *([] if isinstance(ops[-1], fo.Combine) else [fo.Combine()])]
-        elif isinstance(ops[-1], fo.Combine):  # a span ending at Combine (moe_combine: FC2 without a bias)
-            experts = next(op.num_groups for op in ops if isinstance(op, fo.GroupedLinear))
-            ops = [fo.GroupedLinear(op.num_groups, op.in_features, op.out_features, bias=False)
-                   if isinstance(op, fo.GroupedLinear) else op for op in ops]
-            ops = [fo.Router(6, experts, top_k=2), fo.Dispatch(), *ops]
-        seq = fo.Sequential(*ops)
-        if what.name not in [r["rule"] for r in seq.fusion_plan("backward")]:  # declined in one CPU process
-            seq.rules = _unchecked(what)  # (the comm rules: a one-rank group); the table tests the fused op
-        assert what.name in [r["rule"] for r in seq.fusion_plan("backward")], "the rule must fire in this test"
+    if kind == "rule":
+        seq = rule_sequential(what, seed)
+        assert fires(seq, what), "the rule must fire in this test"
+        return seq
+    torch.manual_seed(seed)  # an op that cannot run alone (a Router) names the chain it runs in
+    seq = fo.Sequential(*(what._contract_ops(5) if hasattr(what, "_contract_ops") else [what._example(5)[0]]))
     with torch.no_grad():
         for p in seq.parameters():
             p.uniform_(-1, 1)
     return seq
-
-
-def _unchecked(what):
-    """The built-in rules with ``what``'s checker set aside."""
-    rs = fo.RuleSet.builtin()
-    rs.add(rule(what.name, what.pattern, pass_=what.pass_, build=what.build, priority=what.priority))
-    return rs
-
-
-def _inputs(seq):
-    first = next(op for op in seq.basic_ops() if hasattr(op, "in_features"))  # comm ops keep the width
-    x = torch.randn(ROWS, first.in_features, generator=torch.Generator().manual_seed(2), requires_grad=True)
-    return [x, *_extra_inputs(seq, x.shape[-1])]
 
 
 def _reference_wgrads(seq, inputs, grad_out):
@@ -120,7 +60,7 @@ def _reference_wgrads(seq, inputs, grad_out):
         op.weight.requires_grad_(True)
         op.weight.grad = None
     ins = [t.detach().double().requires_grad_() if t.is_floating_point() else t for t in inputs]
-    out = _y(run_unfused(ref, *ins))
+    out = main_output(run_unfused(ref, *ins))
     out.backward(grad_out.double())
     return [op.weight.grad for op in _weight_ops(ref)]
 
@@ -132,9 +72,9 @@ COMBOS = list(itertools.product([False, True], repeat=6))
 @pytest.mark.parametrize("main_grad,added_attr,overwrite,zero_out,delayed,frozen", COMBOS)
 def test_gradient_table(subject, main_grad, added_attr, overwrite, zero_out, delayed, frozen):
     seq = _build(subject)
-    inputs = _inputs(seq)
+    inputs = example_inputs(seq)
     wops = _weight_ops(seq)
-    grad_out = torch.randn(_y(seq(*inputs)).shape, generator=torch.Generator().manual_seed(3))
+    grad_out = torch.randn(main_output(seq(*inputs)).shape, generator=torch.Generator().manual_seed(3))
     expected = _reference_wgrads(seq, inputs, grad_out)
     hook_calls = []
     for op in wops:
@@ -156,7 +96,7 @@ def test_gradient_table(subject, main_grad, added_attr, overwrite, zero_out, del
     before = {id(op): (getattr(op.weight, "main_grad", None), op.weight.grad) for op in wops}
     before = {k: tuple(None if t is None else t.clone() for t in v) for k, v in before.items()}
 
-    _y(seq(*inputs)).backward(grad_out)
+    main_output(seq(*inputs)).backward(grad_out)
 
     for op in wops:
         w = op.weight
@@ -218,11 +158,11 @@ def test_three_micro_batches_into_bf16_weights_fp32_main_grad(subject, overwrite
     total = [torch.zeros(op.weight.shape, dtype=torch.float64) for op in wops]
     for step in range(3):
         torch.manual_seed(10 + step)
-        inputs = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in _inputs(seq)]
+        inputs = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in example_inputs(seq)]
         inputs[0] = torch.randn_like(inputs[0]).requires_grad_()
-        grad_out = torch.randn(_y(seq(*inputs)).shape)
+        grad_out = torch.randn(main_output(seq(*inputs)).shape)
         ref = _reference_wgrads(seq, inputs, grad_out)
-        _y(seq(*inputs)).backward(grad_out.to(torch.bfloat16))
+        main_output(seq(*inputs)).backward(grad_out.to(torch.bfloat16))
         total = [r if overwrite else t + r for t, r in zip(total, ref)]
     for op, want in zip(wops, total):
         assert op.weight.grad is None
