@@ -39,8 +39,12 @@ FLAGS = {
     "main_grad+delayed": dict(accumulate_into_main_grad=True, delay_wgrad_compute=True),
     "delayed, backward_dw once": dict(delay_wgrad_compute=True),
     "delayed_wgrad()": {},
+    "own backward, plain": {},
     "own backward, main_grad+delayed": dict(accumulate_into_main_grad=True, delay_wgrad_compute=True),
 }
+"""Modes (the flags of both Linears). "own backward": under ``cpu_autograd(False)`` the ops run their
+own backward (CPU: the ``*_ref`` kernels; CUDA: the fused kernels), which GEMMs into main_grad
+itself; compared bit for bit with the plain run of the same path."""
 
 
 def _dtype(device):
@@ -180,20 +184,18 @@ def _close(got: list, want: list, dtype, what: str) -> None:
 def body_modes(rank, world, device, wrap):
     dtype = _dtype(device)
     want = _single_process(world, device, dtype)
-    plain, plain_scatters = _train(rank, world, device, dtype, "plain", wrap)
-    _close(plain, want, dtype, f"{wrap} plain")
+    runs = {}
     for mode in FLAGS:
-        if mode == "plain":
-            continue
-        got, scatters = _train(rank, world, device, dtype, mode, wrap)
+        got, scatters = runs[mode] = _train(rank, world, device, dtype, mode, wrap)
         _close(got, want, dtype, f"{wrap} {mode}")
+        plain, plain_scatters = runs["own backward, plain" if mode.startswith("own") else "plain"]
         if wrap == "fsdp2" or world == 2:  # (DDP at 4 ranks: its buckets may sum in another order)
             _same(got, plain, f"{wrap} {mode}")
         # the same reduce-scatters (delayed: a group's comes when backward_dw() has computed its weights)
         assert [sorted(s) for s in scatters] == [sorted(s) for s in plain_scatters], (mode, scatters, plain_scatters)
     if wrap == "fsdp2" and world > 1:  # one reduce-scatter per group (3) per step, at the synced backward
         total = sum(p.numel() for p in _model(device, dtype).parameters())
-        assert all(len(s) == 3 and sum(s) == total for s in plain_scatters), plain_scatters
+        assert all(len(s) == 3 and sum(s) == total for s in runs["plain"][1]), runs["plain"][1]
 
 
 def body_frozen(rank, world, device, wrap):
