@@ -176,13 +176,15 @@ def _ddp_param_ids(ddp) -> set:
     return hit[1]
 
 
-def on_forward(ops, weights) -> None:
-    """At a training forward of a chain with main_grad / delayed ops, or inside a DDP forward:
-    ``weights`` are the trainable contract weights of ``ops`` (one each). Binds them to the DDP
-    module running (its gradient-sync setting now), unbinds those it no longer runs, and refuses
-    a ``main_grad`` attached by the trainer under a wrapper."""
+def on_forward(ops, weights) -> bool:
+    """At a training forward of a chain with main_grad / delayed ops, inside a DDP forward, or of
+    a chain bound to DDP before: ``weights`` are the trainable contract weights of ``ops`` (one
+    each). Binds them to the DDP module running (its gradient-sync setting now), unbinds those it
+    no longer runs, and refuses a ``main_grad`` attached by the trainer under a wrapper. Returns
+    whether one is bound to DDP now."""
     ddp = active_ddp()
     ids = _ddp_param_ids(ddp) if ddp is not None else ()
+    bound = False
     for op, w in zip(ops, weights):
         b = _ddp_bound.get(w)
         if id(w) in ids:
@@ -190,6 +192,7 @@ def on_forward(ops, weights) -> None:
                 b = _DDPBinding()
                 _ddp_bound.set(w, b)
             b.sync, b.group = bool(ddp.require_backward_grad_sync), ddp.process_group
+            bound = True
         elif b is not None:
             if b.acc is not None or b.out is not None:
                 raise RuntimeError(
@@ -209,6 +212,7 @@ def on_forward(ops, weights) -> None:
                     f"float32 accumulator itself and the reduced gradient goes to weight.grad after the synced "
                     f"backward; do not attach weight.main_grad (remove it)"
                 )
+    return bound
 
 
 # --------------------------------------------------------------------------------------------

@@ -379,11 +379,11 @@ class WeightGradMixin:
             fn()
 
 
-def check_flagged_ops(ops, params, counts) -> None:
+def check_flagged_ops(ops, params, counts) -> bool:
     """Forward-time checks for ops with ``accumulate_into_main_grad`` / ``delay_wgrad_compute``
     (and every training call inside a DDP forward): their weights must be leaves (not
     parametrized or computed); the contract weights' data-parallel bindings are refreshed
-    (:func:`fusible_ops.data_parallel.on_forward`)."""
+    (:func:`fusible_ops.data_parallel.on_forward`). Returns whether one is bound to DDP."""
     k = 0
     for op, count in zip(ops, counts):
         mine, k = params[k : k + count], k + count
@@ -395,5 +395,4 @@ def check_flagged_ops(ops, params, counts) -> None:
                 f"with history); use plain .grad mode for this op"
             )
     found = contract_weights(ops, params, counts)
-    if found is not None:
-        data_parallel.on_forward(found[0], [params[k] for k in found[2]])
+    return found is not None and data_parallel.on_forward(found[0], [params[k] for k in found[2]])

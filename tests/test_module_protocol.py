@@ -253,6 +253,26 @@ def test_main_grad_or_delayed_wgrad_inside_ddp(gloo_world, flag):
         assert seq[0].weight.main_grad.abs().sum() > 0
 
 
+def test_delayed_wgrad_scheduler_inside_ddp_and_after(gloo_world):
+    """fo.delayed_wgrad() binds plain-mode weights to DDP at forward; a forward outside DDP
+    unbinds them (no reduction then)."""
+    from fusible_ops import data_parallel
+
+    seq = fo.Sequential(fo.Linear(4, 4), fo.GELU())
+    ddp = torch.nn.parallel.DistributedDataParallel(seq)
+    with fo.delayed_wgrad():
+        ddp(torch.randn(2, 4)).sum().backward()
+    assert data_parallel.wrapper_of(seq[0].weight) is not None
+    fo.flush_wgrad()
+    assert seq[0].weight.grad.abs().sum() > 0
+    seq[0].weight.grad = None
+    with fo.delayed_wgrad():
+        seq(torch.randn(2, 4)).sum().backward()
+    assert data_parallel.wrapper_of(seq[0].weight) is None
+    fo.flush_wgrad()
+    assert seq[0].weight.grad.abs().sum() > 0
+
+
 def test_main_grad_and_delayed_wgrad_inside_fsdp2(gloo_world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
