@@ -17,8 +17,12 @@ FSDP2: the sharded DTensor parameter), after the synced backward (and its ``back
   of each group with delayed work pending, except its reshard, and runs it when ``backward_dw()``
   has computed the group's last pending op, in one reduce-scatter with the group's other
   gradients as the undelayed backward would. The unsharded weight is freed as usual: a weight
-  gradient reads only the saved input and output gradient. DDP: ``backward_dw()`` hands the
-  gradients to autograd (``torch.autograd.backward`` on the weights), so DDP's hooks see them.
+  gradient reads only the saved input and output gradient. DDP: autograd gets no gradient for
+  the weight at backward, so DDP's bucket carries zeros for it (DDP marks a parameter whose
+  gradient is undefined ready with zeros, and cannot be made to wait past its backward); the
+  computed gradients are kept across ``no_sync()`` backwards, and after the synced backward's
+  ``backward_dw()`` fusible_ops all-reduces them itself (the mean over DDP's process group, as
+  DDP's own reduction; the main_grad accumulator in float32) and adds them to ``.grad``.
 * Frozen weights: no gradient work and no reduction (FSDP2 and DDP skip parameters without a
   gradient).
 * ``optimizer.step()`` while an op under a wrapper still has delayed work pending raises a
@@ -85,10 +89,12 @@ class _DDPBinding:
         self.acc: Optional[torch.Tensor] = None  # the main_grad accumulator
         self.out: Optional[torch.Tensor] = None  # delayed plain gradients not yet reduced
 
-    def main_grad(self, op, param: torch.Tensor) -> torch.Tensor:
+    def main_grad(self, op, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(the accumulator, whether it was just allocated: uninitialized, to be overwritten)."""
         if self.acc is None:
-            self.acc = torch.zeros(param.shape, dtype=_acc_dtype(param.dtype), device=param.device)
-        return self.acc
+            self.acc = torch.empty(param.shape, dtype=_acc_dtype(param.dtype), device=param.device)
+            return self.acc, True
+        return self.acc, False
 
     def take(self, param: torch.Tensor) -> Optional[torch.Tensor]:
         """At a synced backward: the accumulator, in the weight's dtype, as the gradient autograd
@@ -128,7 +134,7 @@ class _FSDPBinding:
     def __init__(self, fsdp_param, group) -> None:
         self.fsdp_param, self.group = fsdp_param, group
 
-    def main_grad(self, op, param: torch.Tensor) -> torch.Tensor:
+    def main_grad(self, op, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
         fsdp2_internals.group_state(self.group)  # (its post-backward gives the group one gradient dtype)
         return fsdp2_internals.accumulator(self.fsdp_param, param)
 

@@ -75,16 +75,17 @@ def sharded_param(fsdp_param) -> torch.Tensor:
     return fsdp_param.sharded_param
 
 
-def accumulator(fsdp_param, param: torch.Tensor) -> torch.Tensor:
-    """The weight's unsharded gradient accumulator, allocated (zeros) when it has none: FSDP2's
-    ``unsharded_accumulated_grad``, in the group's reduce dtype (MixedPrecisionPolicy), else in
-    float32 (float64 for float64 weights)."""
+def accumulator(fsdp_param, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The weight's unsharded gradient accumulator: FSDP2's ``unsharded_accumulated_grad``, in the
+    group's reduce dtype (MixedPrecisionPolicy), else in float32 (float64 for float64 weights);
+    and whether it was just allocated (uninitialized: the caller overwrites it)."""
     acc = fsdp_param.unsharded_accumulated_grad
-    if acc is None:
-        dtype = fsdp_param.reduce_dtype or torch.promote_types(param.dtype, torch.float32)
-        acc = torch.zeros(param.shape, dtype=dtype, device=param.device)
-        fsdp_param.unsharded_accumulated_grad = acc
-    return acc
+    if acc is not None:
+        return acc, False
+    dtype = fsdp_param.reduce_dtype or torch.promote_types(param.dtype, torch.float32)
+    acc = torch.empty(param.shape, dtype=dtype, device=param.device)
+    fsdp_param.unsharded_accumulated_grad = acc
+    return acc, True
 
 
 class _GroupState:

@@ -151,7 +151,8 @@ def _apply_now(op, param: torch.Tensor, compute: WgradCompute, *, delayed: bool,
     gradient is kept on it until reduced."""
     if dp is not None and (op.accumulate_into_main_grad or (delayed and dp.keeps_delayed)):
         if op.accumulate_into_main_grad:
-            compute(main_grad_of(op, param, getattr(op, "main_grad_shape", None), dp.main_grad(op, param)), True)
+            mg, fresh = dp.main_grad(op, param)
+            compute(main_grad_of(op, param, getattr(op, "main_grad_shape", None), mg), not fresh)
         else:
             dp.out = compute(None, False).to(param.dtype) if dp.out is None else compute(dp.out, True)
         return None if delayed else dp.take(param)
