@@ -153,14 +153,35 @@ def wrapper_of(param: torch.Tensor):
         return b
     b = _fsdp_bound.get(param, _MISS)
     if b is _MISS:
-        for unsharded, fsdp_param, group in fsdp2_internals.managed_params():
-            if _fsdp_bound.get(unsharded, _MISS) is _MISS:
-                _fsdp_bound.set(unsharded, _FSDPBinding(fsdp_param, group))
+        _index_fsdp2()
         b = _fsdp_bound.get(param, _MISS)
         if b is _MISS:
             b = None
             _fsdp_bound.set(param, None)
     return b
+
+
+_unsharded_of = _ParamMap()  # sharded FSDP2 parameter -> its unsharded one
+
+
+def computed_with(param: torch.Tensor) -> torch.Tensor:
+    """The tensor the ops compute with for module parameter ``param``: under FSDP2 (``param`` a
+    sharded parameter, unsharded once), its unsharded parameter; else ``param``."""
+    u = _unsharded_of.get(param, _MISS)
+    if u is _MISS:
+        if type(param).__name__ != "DTensor":
+            return param
+        _index_fsdp2()
+        u = _unsharded_of.get(param)
+    return param if u is None else u
+
+
+def _index_fsdp2() -> None:
+    for unsharded, fsdp_param, group in fsdp2_internals.managed_params():
+        if unsharded is not None:
+            if _fsdp_bound.get(unsharded, _MISS) is _MISS:
+                _fsdp_bound.set(unsharded, _FSDPBinding(fsdp_param, group))
+            _unsharded_of.set(fsdp2_internals.sharded_param(fsdp_param), unsharded)
 
 
 # --------------------------------------------------------------------------------------------

@@ -52,8 +52,8 @@ def _groups(state) -> list:
 
 def managed_params() -> Iterator[tuple]:
     """(unsharded parameter, FSDPParam, FSDPParamGroup) for every parameter of every live FSDP2
-    module that has been unsharded once (the unsharded parameter is one object for the module's
-    life: FSDP2 frees and refills its storage)."""
+    module; the unsharded parameter is None until the module's first unshard (then it is one
+    object for the module's life: FSDP2 frees and refills its storage)."""
     if not torch.distributed.is_available():
         return
     from torch.distributed._composable_state import _module_state_mapping
@@ -66,9 +66,7 @@ def managed_params() -> Iterator[tuple]:
             _require(group, _GROUP_ATTRS, "FSDPParamGroup")
             for fsdp_param in group.fsdp_params:
                 _require(fsdp_param, _PARAM_ATTRS, "FSDPParam")
-                unsharded = fsdp_param.__dict__.get("_unsharded_param")
-                if unsharded is not None:
-                    yield unsharded, fsdp_param, group
+                yield fsdp_param.__dict__.get("_unsharded_param"), fsdp_param, group
 
 
 def sharded_param(fsdp_param) -> torch.Tensor:

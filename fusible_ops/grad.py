@@ -278,6 +278,7 @@ def _hook_plain_weights() -> list:
             if not isinstance(w, torch.Tensor) or not w.requires_grad or w.grad_fn is not None or id(w) in seen:
                 continue
             seen.add(id(w))
+            w = data_parallel.computed_with(w)  # (FSDP2: the unsharded weight the forward used)
             node = torch.autograd.graph.get_gradient_edge(w).node
             handles.append(node.register_prehook(_LateDelay(op, w)))
     return handles

@@ -153,10 +153,11 @@ def _train(rank, world, device, dtype, mode, wrap, *, frozen=False, micro=MICRO,
                         loss = _loss(runner, _local(x, rank), _local(t, rank), micro)
                         with fo.delayed_wgrad() if mode == "delayed_wgrad()" else contextlib.nullcontext():
                             loss.backward()
-                    if mode == "delayed_wgrad()":
-                        fo.flush_wgrad()
-                    elif delayed and (last or mode != "delayed, backward_dw once"):
-                        model.backward_dw()
+                    if delayed and (last or mode != "delayed, backward_dw once"):
+                        assert model[3].basic_ops[0].has_pending_wgrad(), mode  # really delayed
+                        if wrap == "fsdp2" and last:
+                            assert model[3].weight.grad is None, mode  # not reduced before backward_dw()
+                        fo.flush_wgrad() if mode == "delayed_wgrad()" else model.backward_dw()
             if delayed and wrap == "fsdp2":
                 assert model[1].weight.grad is not None or frozen
             for lin in (model[1], model[3]):
