@@ -132,7 +132,16 @@ class _FSDPBinding:
     keeps_delayed = False  # delayed plain gradients go to the unsharded weight's .grad
 
     def __init__(self, fsdp_param, group) -> None:
-        self.fsdp_param, self.group = fsdp_param, group
+        # (weak: the FSDPParam holds the unsharded weight, this binding's key)
+        self._fsdp_param, self._group = weakref.ref(fsdp_param), weakref.ref(group)
+
+    @property
+    def fsdp_param(self):
+        return self._fsdp_param()
+
+    @property
+    def group(self):
+        return self._group()
 
     def main_grad(self, op, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
         fsdp2_internals.group_state(self.group)  # (its post-backward gives the group one gradient dtype)
@@ -187,7 +196,7 @@ def _index_fsdp2() -> None:
 # --------------------------------------------------------------------------------------------
 # Forward: DDP bindings, and attached main_grad buffers refused under a wrapper
 # --------------------------------------------------------------------------------------------
-_ddp_members: dict[int, tuple] = {}  # id(DDP module) -> (module, ids of its parameters)
+_ddp_members: dict[int, tuple] = {}  # id(DDP module) -> (weakref to it, ids of its parameters)
 
 
 def active_ddp():
@@ -197,9 +206,10 @@ def active_ddp():
 
 def _ddp_param_ids(ddp) -> set:
     hit = _ddp_members.get(id(ddp))
-    if hit is None or hit[0] is not ddp:
-        hit = (ddp, {id(p) for p in ddp.module.parameters()})
-        _ddp_members[id(ddp)] = hit
+    if hit is None or hit[0]() is not ddp:
+        key = id(ddp)
+        ref = weakref.ref(ddp, lambda r, key=key: _ddp_members.pop(key, None) if _ddp_members.get(key, (None,))[0] is r else None)
+        hit = _ddp_members[key] = (ref, {id(p) for p in ddp.module.parameters()})
     return hit[1]
 
 

@@ -190,7 +190,9 @@ def body_modes(rank, world, device, wrap):
         got, scatters = runs[mode] = _train(rank, world, device, dtype, mode, wrap)
         _close(got, want, dtype, f"{wrap} {mode}")
         plain, plain_scatters = runs["own backward, plain" if mode.startswith("own") else "plain"]
-        if wrap == "fsdp2" or world == 2:  # (DDP at 4 ranks: its buckets may sum in another order)
+        # (DDP at 4 ranks: its buckets may sum in another order; CUDA's own-backward GEMMs into
+        # main_grad (addmm, beta=1) may take another cuBLAS kernel than the plain run's mm)
+        if (wrap == "fsdp2" or world == 2) and not (device.type == "cuda" and mode.startswith("own")):
             _same(got, plain, f"{wrap} {mode}")
         # the same reduce-scatters (delayed: a group's comes when backward_dw() has computed its weights)
         assert [sorted(s) for s in scatters] == [sorted(s) for s in plain_scatters], (mode, scatters, plain_scatters)
