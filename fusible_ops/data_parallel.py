@@ -255,13 +255,13 @@ def on_forward(ops, weights) -> bool:
 # --------------------------------------------------------------------------------------------
 # Delayed work: the forgotten backward_dw() check, FSDP2's deferred post-backward
 # --------------------------------------------------------------------------------------------
-_pending: dict[int, tuple] = {}  # id(op) -> (op, wrapper name): delayed work under a wrapper
+_pending: dict[int, tuple] = {}  # id(op) -> (weakref to op, wrapper name): delayed work under a wrapper
 _hook = []
 
 
 def queued(op, binding) -> None:
     """Delayed work for one of ``op``'s weights, bound to a wrapper, was queued."""
-    _pending[id(op)] = (op, binding.wrapper)
+    _pending[id(op)] = (weakref.ref(op), binding.wrapper)
     if isinstance(binding, _FSDPBinding):
         fsdp2_internals.group_state(binding.group).pending[id(op)] = op
     if not _hook:
@@ -291,7 +291,16 @@ def computed(op, params) -> None:
 def _check_step(optimizer, args, kwargs) -> None:
     if not _pending:
         return
-    names = ", ".join(sorted({f"{type(op).__name__} (under {w})" for op, w in _pending.values()}))
+    names = set()
+    for key, (ref, wrapper) in list(_pending.items()):
+        op = ref()
+        if op is None or not op.__dict__.get("_pending_wgrads"):  # (gone, or its queue dropped)
+            del _pending[key]
+        else:
+            names.add(f"{type(op).__name__} (under {wrapper})")
+    if not names:
+        return
+    names = ", ".join(sorted(names))
     raise RuntimeError(
         f"{names}: delayed weight gradients are still pending at optimizer.step(): call backward_dw() on the op "
         f"(or seq.backward_dw(), fo.flush_wgrad()) after each backward; until then its weight gradient is "
