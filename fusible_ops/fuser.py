@@ -36,6 +36,7 @@ from .fuser_params import as_views as _as_views
 from .fuser_params import grad_quantizer as _grad_quantizer
 from .fuser_params import input_quantizer as _input_quantizer
 from .fuser_params import reader as _reader, training_call as _training_call
+from .data_parallel import active_ddp
 from .grad import check_flagged_ops, contract_weights, gate_weights, scheduler_active, watch_plain_weights
 from .kernels import current_mode, set_mode
 from .op import STATE_EPOCH as _STATE_EPOCH
@@ -127,6 +128,7 @@ class OperationFuser:
         self._param_counts: list[int] = []
         self._parametrized = False
         self._wgrad_flagged = False
+        self._ddp_bound = False  # a weight is bound to DDP (fusible_ops.data_parallel): refresh at each forward
         self.last_key: Optional[tuple] = None  # key of the last call (fusion_plan() reports it)
         self._choices: dict = {}  # geometry -> rule names a tuned plan leaves out (fusible_ops.tuning)
         self.tuning_notes: dict = {}  # geometry -> what tuning measured (explain() shows it)
@@ -375,8 +377,8 @@ class OperationFuser:
         else:  # traced: planned afresh, the cache neither read nor written (dynamo would guard on
             plan = self._make_plan(x, extra_inputs, params, off)  # its contents: a recompile per new plan)
         self.last_key = key
-        if self._wgrad_flagged and plan.requires_grad:
-            check_flagged_ops(self.ops, params, plan.param_counts)
+        if plan.requires_grad and (self._wgrad_flagged or self._ddp_bound or active_ddp() is not None):
+            self._ddp_bound = check_flagged_ops(self.ops, params, plan.param_counts)
         native = (plan.cpu_autograd and CPU_AUTOGRAD and not is_float8(x)
                   and (current_mode() != "triton" if not x.is_cuda else
                        x.numel() <= NATIVE_MAX_NUMEL and current_mode() == "auto"))

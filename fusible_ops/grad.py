@@ -33,6 +33,8 @@ from typing import Callable, Optional
 
 import torch
 
+from . import data_parallel
+
 # compute(out, accumulate) -> Tensor: computes dW (shape of W). With `out` given it writes
 # into `out` (adding if `accumulate`) and returns it; with out=None it returns a new tensor.
 WgradCompute = Callable[[Optional[torch.Tensor], bool], torch.Tensor]
@@ -74,11 +76,12 @@ def flush_wgrad() -> None:
         op.backward_dw()
 
 
-def main_grad_of(op, param: torch.Tensor, shape: Optional[tuple] = None) -> torch.Tensor:
-    """``param.main_grad``, validated: present, and viewable as ``shape`` (default: the
-    param's shape) without a copy. Returns that view."""
+def main_grad_of(op, param: torch.Tensor, shape: Optional[tuple] = None, mg: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``param.main_grad`` (or ``mg``: a data-parallel wrapper's accumulator), validated: present,
+    and viewable as ``shape`` (default: the param's shape) without a copy. Returns that view."""
     name = type(op).__name__
-    mg = getattr(param, "main_grad", None)
+    if mg is None:
+        mg = getattr(param, "main_grad", None)
     if mg is None:
         raise RuntimeError(
             f"{name}: accumulate_into_main_grad=True but the weight has no main_grad buffer "
@@ -141,8 +144,18 @@ def _accumulate_into(param: torch.Tensor, token) -> bool:
     return False
 
 
-def _apply_now(op, param: torch.Tensor, compute: WgradCompute, *, delayed: bool, token) -> Optional[torch.Tensor]:
-    """Run ``compute`` per the table. Returns what autograd gets (immediate) or None (delayed)."""
+def _apply_now(op, param: torch.Tensor, compute: WgradCompute, *, delayed: bool, token, dp=None) -> Optional[torch.Tensor]:
+    """Run ``compute`` per the table. Returns what autograd gets (immediate) or None (delayed).
+    ``dp``: the weight's data-parallel binding (:func:`fusible_ops.data_parallel.wrapper_of`):
+    main_grad is its accumulator, autograd gets what it hands over, and under DDP a delayed
+    gradient is kept on it until reduced."""
+    if dp is not None and (op.accumulate_into_main_grad or (delayed and dp.keeps_delayed)):
+        if op.accumulate_into_main_grad:
+            mg, fresh = dp.main_grad(op, param)
+            compute(main_grad_of(op, param, getattr(op, "main_grad_shape", None), mg), not fresh)
+        else:
+            dp.out = compute(None, False).to(param.dtype) if dp.out is None else compute(dp.out, True)
+        return None if delayed else dp.take(param)
     if op.accumulate_into_main_grad:
         mg = main_grad_of(op, param, getattr(op, "main_grad_shape", None))
         compute(mg, _accumulate_into(param, token))
@@ -174,15 +187,18 @@ def deliver_weight_grad(op, param: torch.Tensor, compute: WgradCompute) -> Optio
             f"mode (accumulate_into_main_grad=False, no delayed weight gradients) for it"
         )
     token = _backward_token(param)
+    dp = data_parallel.wrapper_of(param)
     if op.delay_wgrad_compute or scheduler_active():
         pending = op.__dict__.setdefault("_pending_wgrads", [])
         pending.append((param, compute, token))
         param.skip_backward_post_hook = True
+        if dp is not None:
+            data_parallel.queued(op, dp)
         if not op.delay_wgrad_compute:
             with _sched_lock:
                 _sched_ops.setdefault(id(op), op)
         return None
-    return _apply_now(op, param, compute, delayed=False, token=token)
+    return _apply_now(op, param, compute, delayed=False, token=token, dp=dp)
 
 
 class ContractGate(torch.autograd.Function):
@@ -262,6 +278,7 @@ def _hook_plain_weights() -> list:
             if not isinstance(w, torch.Tensor) or not w.requires_grad or w.grad_fn is not None or id(w) in seen:
                 continue
             seen.add(id(w))
+            w = data_parallel.computed_with(w)  # (FSDP2: the unsharded weight the forward used)
             node = torch.autograd.graph.get_gradient_edge(w).node
             handles.append(node.register_prehook(_LateDelay(op, w)))
     return handles
@@ -349,7 +366,7 @@ class WeightGradMixin:
             if isinstance(item, tuple):
                 param, compute, token = item
                 with torch.no_grad():
-                    _apply_now(self, param, compute, delayed=True, token=token)
+                    _apply_now(self, param, compute, delayed=True, token=token, dp=data_parallel.wrapper_of(param))
                 done = (param,)
             else:  # a captured delayed-wgrad graph (fusible_ops.graphs): replay it
                 item.run()
@@ -359,54 +376,16 @@ class WeightGradMixin:
                     params.append(param)
         for p in params:
             p.skip_backward_post_hook = False
+        data_parallel.computed(self, params)  # (under a wrapper: reduced now, if their backward was synced)
         for fn in list(self.__dict__["_wgrad_hooks"]):
             fn()
 
 
-# --------------------------------------------------------------------------------------------
-# Data-parallel wrappers: main_grad / delayed wgrad bypass their gradient reduction.
-# --------------------------------------------------------------------------------------------
-_dp_members: dict[int, tuple] = {}  # id(wrapper) -> (wrapper, ids of its parameters)
-
-
-def _wrapper_param_ids(wrapper: torch.nn.Module, module: torch.nn.Module) -> set:
-    hit = _dp_members.get(id(wrapper))
-    if hit is None or hit[0] is not wrapper:
-        hit = (wrapper, {id(p) for p in module.parameters()})
-        _dp_members[id(wrapper)] = hit
-    return hit[1]
-
-
-def _active_wrappers(params) -> list[str]:
-    """Names of the data-parallel wrappers (DDP, FSDP2) that manage any of ``params`` now."""
-    if not torch.distributed.is_available():
-        return []
-    found = []
-    from torch.nn.parallel import DistributedDataParallel
-
-    ddp = DistributedDataParallel._get_active_ddp_module()
-    if ddp is not None and any(id(p) in _wrapper_param_ids(ddp, ddp.module) for p in params):
-        found.append("torch.nn.parallel.DistributedDataParallel")
-    try:
-        from torch.distributed._composable_state import _module_state_mapping
-    except ImportError:  # pragma: no cover - older torch
-        _module_state_mapping = {}
-    for module, state_ref in list(_module_state_mapping.items()):
-        state = state_ref() if callable(state_ref) else state_ref
-        if type(state).__name__ != "FSDPState":
-            continue
-        # FSDP2 swaps sharded and unsharded parameter objects: look them up afresh
-        managed = {id(p) for p in module.parameters()}
-        if any(id(p) in managed or type(p).__name__ == "DTensor" for p in params):
-            found.append("FSDP2 (torch.distributed.fsdp.fully_shard)")
-            break
-    return found
-
-
-def check_flagged_ops(ops, params, counts) -> None:
-    """Forward-time checks for ops with ``accumulate_into_main_grad`` / ``delay_wgrad_compute``:
-    their weights must be leaves (not parametrized or computed), and no data-parallel wrapper
-    may be reducing them (see :func:`check_data_parallel`)."""
+def check_flagged_ops(ops, params, counts) -> bool:
+    """Forward-time checks for ops with ``accumulate_into_main_grad`` / ``delay_wgrad_compute``
+    (and every training call inside a DDP forward): their weights must be leaves (not
+    parametrized or computed); the contract weights' data-parallel bindings are refreshed
+    (:func:`fusible_ops.data_parallel.on_forward`). Returns whether one is bound to DDP."""
     k = 0
     for op, count in zip(ops, counts):
         mine, k = params[k : k + count], k + count
@@ -417,31 +396,5 @@ def check_flagged_ops(ops, params, counts) -> None:
                 f"a weight is computed (a parametrization such as weight_norm, or a functional_call tensor "
                 f"with history); use plain .grad mode for this op"
             )
-    check_data_parallel(ops, params)
-
-
-def check_data_parallel(ops, params) -> None:
-    """Refuse ``accumulate_into_main_grad`` / ``delay_wgrad_compute`` under DDP or FSDP2.
-
-    Those wrappers reduce ``.grad`` across ranks in their own autograd hooks; a gradient that
-    goes to ``main_grad``, or into ``.grad`` only later from ``backward_dw()``, is not in
-    ``.grad`` when they reduce, so every rank would silently keep its local gradient. Raises a
-    ``RuntimeError`` naming the op and the supported pattern. Called by the fuser on calls that
-    will run a backward, only for fusers holding an op with one of these flags.
-    """
-    flagged = [
-        op for op in ops
-        if getattr(op, "accumulate_into_main_grad", False) or getattr(op, "delay_wgrad_compute", False)
-    ]
-    if not flagged:
-        return
-    wrappers = _active_wrappers(params)
-    if wrappers:
-        names = ", ".join(type(op).__name__ for op in flagged)
-        raise RuntimeError(
-            f"{names}: accumulate_into_main_grad=True or delay_wgrad_compute=True inside {wrappers[0]}: the "
-            f"wrapper reduces .grad, but these gradients go to main_grad (or arrive after backward), so ranks "
-            f"would keep unreduced gradients. Under DDP/FSDP use plain .grad mode "
-            f"(accumulate_into_main_grad=False, delay_wgrad_compute=False), or reduce main_grad yourself "
-            f"without the wrapper."
-        )
+    found = contract_weights(ops, params, counts)
+    return found is not None and data_parallel.on_forward(found[0], [params[k] for k in found[2]])

@@ -553,7 +553,9 @@ class Sequential(torch.nn.Module):
         return "\n".join(lines)
 
     def backward_dw(self) -> None:
-        """Compute every delayed weight gradient pending in this Sequential's ops."""
-        for op in self.basic_ops():
-            if hasattr(op, "backward_dw"):
-                op.backward_dw()
+        """Compute every delayed weight gradient pending in this Sequential's ops, nested
+        Sequentials' too, in module order."""
+        for stage, _ in self._get_stages():
+            for op in stage.ops if isinstance(stage, (OperationFuser, _Alone)) else (stage,):
+                if hasattr(op, "backward_dw"):
+                    op.backward_dw()

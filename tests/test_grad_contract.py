@@ -210,6 +210,15 @@ def test_delayed_equals_immediate_and_scheduler_form():
     torch.testing.assert_close(sch[0].weight.grad, imm[0].weight.grad)
 
 
+def test_sequential_backward_dw_reaches_nested_sequentials():
+    inner = fo.Sequential(fo.Linear(4, 4, delay_wgrad_compute=True), fo.GELU())
+    outer = fo.Sequential(fo.Linear(4, 4, delay_wgrad_compute=True), inner)
+    outer(torch.randn(3, 4)).sum().backward()
+    assert inner[0].weight.grad is None and inner[0].basic_ops[0].has_pending_wgrad()
+    outer.backward_dw()
+    assert outer[0].weight.grad is not None and inner[0].weight.grad is not None
+
+
 def test_tied_weight_accumulates_both_uses():
     lin = fo.BasicLinear(4, 4)
     seq = fo.Sequential(lin, fo.ReLU(), lin)

@@ -235,25 +235,56 @@ def gloo_world():
 
 
 @pytest.mark.parametrize("flag", ["accumulate_into_main_grad", "delay_wgrad_compute"])
-def test_main_grad_or_delayed_wgrad_inside_ddp_is_refused(gloo_world, flag):
+def test_main_grad_or_delayed_wgrad_inside_ddp(gloo_world, flag):
+    """Both flags run inside DDP (tests/distributed/test_dist_data_parallel.py checks the results at
+    2 and 4 ranks); a main_grad attached by the trainer is refused there (fusible_ops keeps the
+    accumulator, the result goes to .grad)."""
     seq = fo.Sequential(fo.Linear(4, 4, **{flag: True}), fo.GELU())
-    seq[0].weight.main_grad = torch.zeros(4, 4)
     ddp = torch.nn.parallel.DistributedDataParallel(seq)
-    with pytest.raises(RuntimeError, match="DistributedDataParallel.*plain .grad mode"):
-        ddp(torch.randn(2, 4))
-    plain = torch.nn.parallel.DistributedDataParallel(fo.Sequential(fo.Linear(4, 4), fo.GELU()))
-    plain(torch.randn(2, 4)).sum().backward()  # the supported pattern works
-    assert plain.module[0].weight.grad is not None
-    seq(torch.randn(2, 4))  # the same module outside the wrapper is fine
+    ddp(torch.randn(2, 4)).sum().backward()
+    seq.backward_dw()
+    assert seq[0].weight.grad is not None and getattr(seq[0].weight, "main_grad", None) is None
+    if flag == "accumulate_into_main_grad":
+        seq[0].weight.main_grad = torch.zeros(4, 4)
+        with pytest.raises(RuntimeError, match="BasicLinear: accumulate_into_main_grad=True under .*DistributedDataParallel"
+                                               ".*do not attach weight.main_grad"):
+            ddp(torch.randn(2, 4))
+        seq(torch.randn(2, 4)).sum().backward()  # the same module outside the wrapper uses it
+        assert seq[0].weight.main_grad.abs().sum() > 0
 
 
-def test_main_grad_inside_fsdp2_is_refused(gloo_world):
+def test_delayed_wgrad_scheduler_inside_ddp_and_after(gloo_world):
+    """fo.delayed_wgrad() binds plain-mode weights to DDP at forward; a forward outside DDP
+    unbinds them (no reduction then)."""
+    from fusible_ops import data_parallel
+
+    seq = fo.Sequential(fo.Linear(4, 4), fo.GELU())
+    ddp = torch.nn.parallel.DistributedDataParallel(seq)
+    with fo.delayed_wgrad():
+        ddp(torch.randn(2, 4)).sum().backward()
+    assert data_parallel.wrapper_of(seq[0].weight) is not None
+    fo.flush_wgrad()
+    assert seq[0].weight.grad.abs().sum() > 0
+    seq[0].weight.grad = None
+    with fo.delayed_wgrad():
+        seq(torch.randn(2, 4)).sum().backward()
+    assert data_parallel.wrapper_of(seq[0].weight) is None
+    fo.flush_wgrad()
+    assert seq[0].weight.grad.abs().sum() > 0
+
+
+def test_main_grad_and_delayed_wgrad_inside_fsdp2(gloo_world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    seq = fo.Sequential(fo.Linear(4, 4, delay_wgrad_compute=True), fo.GELU())
+    seq = fo.Sequential(fo.Linear(4, 4, accumulate_into_main_grad=True, delay_wgrad_compute=True), fo.GELU())
     fully_shard(seq, mesh=init_device_mesh("cpu", (1,)))
-    with pytest.raises(RuntimeError, match="FSDP2"):
+    seq(torch.randn(2, 4)).sum().backward()
+    assert seq[0].weight.grad is None  # reduced only once backward_dw() has computed it
+    seq.backward_dw()
+    assert type(seq[0].weight.grad).__name__ == "DTensor"  # on the sharded parameter
+    seq[0].weight.main_grad = torch.zeros(4, 4)
+    with pytest.raises(RuntimeError, match="under FSDP2 .*do not attach weight.main_grad"):
         seq(torch.randn(2, 4))
 
 
