@@ -287,3 +287,16 @@ def test_a_run_cut_short_keeps_the_rows_it_finished(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in open(path)]
     assert {r["case"] for r in rows} == {"ceiling", "bias_gelu"}
     assert {r["variant"] for r in rows if r["case"] == "bias_gelu"} >= {"fused", "eager"}
+
+
+def test_page_names_each_device_that_timed_rows():
+    """Rows of one page timed on two devices: the header names the second and its cases (the
+    ceilings and convergence rows do not count)."""
+    from fusible_ops.bench.report import _other_devices
+
+    meta = {"device": "H200"}
+    rows = [{"case": "swiglu", "device": "H200"}, {"case": "hf_models", "device": "H100"},
+            {"case": "hf_models", "device": "H100"}, {"case": "ceiling", "device": "H100"},
+            {"case": "convergence", "device": "A100"}, {"case": "lm_head", "device": "H100"}]
+    assert _other_devices(rows, meta) == ["- Device of `hf_models`, `lm_head`: H100 (its peers in the same run)"]
+    assert _other_devices(rows[:1], meta) == []

@@ -276,6 +276,19 @@ def write_report(rows: list[dict], page: str) -> str:
     return page
 
 
+def _other_devices(rows: list[dict], meta: dict) -> list[str]:
+    """A line per device other than ``meta``'s that timed rows of the page, naming its cases (ratios
+    compare rows of one device only: each case runs its peers in the same process)."""
+    cases: dict[str, list[str]] = {}
+    for r in rows:
+        dev = r.get("device")
+        if dev and dev != meta.get("device") and r.get("case") not in ("ceiling", CONVERGENCE):
+            cases.setdefault(dev, [])
+            if r["case"] not in cases[dev]:
+                cases[dev].append(r["case"])
+    return [f"- Device of `{'`, `'.join(names)}`: {dev} (its peers in the same run)" for dev, names in cases.items()]
+
+
 def _timing_header(rows: list[dict], meta: dict, groups: dict) -> list[str]:
     """The timing rows' device, date, commands, ceilings and how to read them; summary; targets."""
     fp8 = _num(meta.get("fp8_tflops"))
@@ -286,6 +299,7 @@ def _timing_header(rows: list[dict], meta: dict, groups: dict) -> list[str]:
         "",
         f"- Device: {meta.get('device')}; driver {meta.get('driver') or 'n/a'}; torch {meta.get('torch_version')}, "
         f"Triton {meta.get('triton_version')}",
+        *_other_devices(rows, meta),
         f"- Date (UTC): {dates[0]}" + (f" to {dates[-1]}" if dates[-1] != dates[0] else ""),
         *[f"- Command: `{c}`" for c in dict.fromkeys(r.get("command") or "python -m fusible_ops.bench"
                                                       for r in rows if r.get("case") == "ceiling")],
