@@ -406,19 +406,13 @@ def _cast_block_launch(x2, square, pow2, transposed, dtype):
     rec = _BLOCK_LAUNCHES.get(geo)  # (what a launch of this geometry computes, computed once)
     if rec is None:
         rec = remember(_BLOCK_LAUNCHES, geo, _block_launch_record(x2, square, pow2, transposed, dtype))
-    (mb, kb), grid, key, meta, strides = rec
-    dev = x2.device
-    q = torch.empty(m, k, dtype=dtype, device=dev)
-    if square:  # (block_scale_buffers' layouts)
-        s = torch.empty(mb, kb, device=dev, dtype=torch.float32)
-        st = torch.empty(kb, mb, device=dev, dtype=torch.float32) if transposed else None
-    else:
-        s = torch.empty(kb, m, device=dev, dtype=torch.float32).t()
-        st = torch.empty(mb, k, device=dev, dtype=torch.float32).t() if transposed else None
-    qt = torch.empty(k, m, dtype=dtype, device=dev) if transposed else None
+    grid, key, meta, ints = rec
+    q = torch.empty(m, k, dtype=dtype, device=x2.device)
+    s, st = block_scale_buffers(m, k, square, x2.device, transposed)
+    qt = torch.empty(k, m, dtype=dtype, device=x2.device) if transposed else None
     if key is not None:
         t_args = (qt, st) if transposed else (q, s)
-        _CAST_BLOCK(grid, key, (x2, q, s, *t_args, x2, *strides), meta)
+        _CAST_BLOCK(grid, key, (x2, q, s, *t_args, x2, *ints), meta)
     return q, s, qt, st
 
 
@@ -426,21 +420,19 @@ _BLOCK_LAUNCHES = geometry_cache()
 
 
 def _block_launch_record(x2, square, pow2, transposed, dtype) -> tuple:
-    """((row blocks, column blocks), grid, DirectKernel key or None for an empty tensor, meta, the
-    integer arguments) of a block cast of ``x2``'s geometry."""
+    """(grid, DirectKernel key or None for an empty tensor, constexprs, integer arguments) of a
+    block cast of ``x2``'s geometry."""
     m, k = x2.shape
-    s, st = block_scale_buffers(m, k, square, x2.device, transposed)
-    mb, kb = cdiv(m, BLOCK), cdiv(k, BLOCK)
     if not (m and k):
-        return (mb, kb), None, None, None, None
+        return None, None, None, None
+    s, st = block_scale_buffers(m, k, square, x2.device, transposed)
     t_s = st if transposed else s
-    strides = (m, k, x2.stride(0), s.stride(0), s.stride(1), t_s.stride(0), t_s.stride(1))
+    ints = (m, k, x2.stride(0), s.stride(0), s.stride(1), t_s.stride(0), t_s.stride(1))
     bm, warps = BLOCK_CFG[square, transposed]
     meta = dict(FMAX=_FMAX[dtype], SQUARE=square, POW2=pow2, HAS_T=transposed, SOFT_ROUND=interpreter_enabled(),
                 BLOCK=BLOCK, BLOCK_M=bm, MAPPED=False, num_warps=warps)
     q = torch.empty(0, dtype=dtype, device=x2.device)
-    args = (x2, q, s, q, s, x2, *strides)
-    return (mb, kb), (cdiv(m, bm), cdiv(k, BLOCK)), generic_key(args, meta), meta, strides
+    return (cdiv(m, bm), cdiv(k, BLOCK)), generic_key((x2, q, s, q, s, x2, *ints), meta), meta, ints
 
 
 def _cast_block_mapped_launch(x2, rowmap, pow2, dtype):
