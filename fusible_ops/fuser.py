@@ -506,17 +506,16 @@ class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(func_ctx, dy, *grad_extra_outputs_flat):
+        # (a delayed-scaling plan: the updates of the call's casts in one launch)
+        run = _fuser_backward if func_ctx.state[1].fp8_delayed is None else _delayed_backward
         if func_ctx.fp8_scope is None:
-            return _fuser_backward_batched(func_ctx, dy, grad_extra_outputs_flat)
+            return run(func_ctx, dy, grad_extra_outputs_flat)
         with fp8_scope(func_ctx.fp8_scope):
-            return _fuser_backward_batched(func_ctx, dy, grad_extra_outputs_flat)
+            return run(func_ctx, dy, grad_extra_outputs_flat)
 
 
-def _fuser_backward_batched(func_ctx, dy, grad_extra_outputs_flat):
-    """:func:`_fuser_backward`, with a delayed-scaling plan's updates of the call's casts in one launch."""
+def _delayed_backward(func_ctx, dy, grad_extra_outputs_flat):
     fuser, plan = func_ctx.state[:2]
-    if plan.fp8_delayed is None:
-        return _fuser_backward(func_ctx, dy, grad_extra_outputs_flat)
     return _delayed_batched(fuser, plan, 2, dy, _fuser_backward, func_ctx, dy, grad_extra_outputs_flat)
 
 
