@@ -41,7 +41,8 @@ from .grad import check_flagged_ops, contract_weights, gate_weights, scheduler_a
 from .kernels import current_mode, set_mode
 from .op import STATE_EPOCH as _STATE_EPOCH
 from .op import BasicOperation, OperationContext, check_loss_last, set_fuser_factory
-from .quantization.recipes import current_recipe
+from .quantization.delayed import run_batched as _delayed_batched
+from .quantization.recipes import Float8DelayedScaling, current_recipe
 from .quantization.recipes import scope as fp8_scope
 from .quantization.recipes import state as fp8_state
 from .quantization.tensor import TracedFloat8, is_float8
@@ -303,6 +304,8 @@ class OperationFuser:
                               for e in extra_inputs]),
             param_keep=tuple([requires_grad and p.requires_grad for p in params]),
             training=[_training_call(op, grad_on) for op in ops],
+            fp8_delayed=(base["recipe"] if isinstance(base["recipe"], Float8DelayedScaling) and requires_grad
+                         and not _is_compiling() else None),
             cpu_autograd=native,
             device_type=x.device.type,
             gated=contract_weights(ops, params, self._param_counts, flagged_only=True) if native else None,
@@ -456,7 +459,11 @@ class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(func_ctx, x, fuser: OperationFuser, plan: Plan, num_extra: int, *args):
         ctxs = [OperationContext(rg, irg, wrg, t) for rg, irg, wrg, t in plan.ctx_flags]
-        y, extra_outputs = _run_forward(fuser, plan, ctxs, x, args[:num_extra] if num_extra else ())
+        extra = args[:num_extra] if num_extra else ()
+        if plan.fp8_delayed is None:
+            y, extra_outputs = _run_forward(fuser, plan, ctxs, x, extra)
+        else:  # (the delayed-scaling updates of the call's casts in one launch)
+            y, extra_outputs = _delayed_batched(fuser, plan, 0, x, _run_forward, fuser, plan, ctxs, x, extra)
         if type(y) is TracedFloat8:  # (traced: an FP8 output, e.g. of a Quantize last, leaves as its values)
             y = y.dequantize()
         has_extra_out = fuser.num_extra_outputs != 0
@@ -499,10 +506,17 @@ class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(func_ctx, dy, *grad_extra_outputs_flat):
+        # (a delayed-scaling plan: the updates of the call's casts in one launch)
+        run = _fuser_backward if func_ctx.state[1].fp8_delayed is None else _delayed_backward
         if func_ctx.fp8_scope is None:
-            return _fuser_backward(func_ctx, dy, grad_extra_outputs_flat)
+            return run(func_ctx, dy, grad_extra_outputs_flat)
         with fp8_scope(func_ctx.fp8_scope):
-            return _fuser_backward(func_ctx, dy, grad_extra_outputs_flat)
+            return run(func_ctx, dy, grad_extra_outputs_flat)
+
+
+def _delayed_backward(func_ctx, dy, grad_extra_outputs_flat):
+    fuser, plan = func_ctx.state[:2]
+    return _delayed_batched(fuser, plan, 2, dy, _fuser_backward, func_ctx, dy, grad_extra_outputs_flat)
 
 
 def _fuser_backward(func_ctx, dy, grad_extra_outputs_flat):

@@ -48,6 +48,9 @@ class Plan:
     # per basic op: a training call (grad mode on at the call, the op in training mode; both part
     # of the key): the ctxs' ``training`` (state kept between steps changes only then)
     training: Optional[list] = None
+    # the Float8DelayedScaling recipe of an eager training plan under it (its calls batch the
+    # delayed-scaling updates: fusible_ops.quantization.delayed), else None
+    fp8_delayed: Optional[object] = None
 
     def __post_init__(self) -> None:
         self._drop_unread_quantizers()

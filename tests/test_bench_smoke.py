@@ -166,6 +166,9 @@ def test_host_overhead_case_runs_on_cpu(tmp_path, capsys):
     table = open(path).read()
     for name in ("dense3", "swiglu", "residual_rmsnorm", "grouped_mlp_64e"):
         assert f"| {name} |" in table
+    for name in ("llama_mlp_fp8_host", "dense_layers_fp8_host"):  # FP8 rows: every recipe, with launches
+        for recipe in ("bf16", "fp8_current", "fp8_delayed", "fp8_block"):
+            assert any(line.startswith(f"| {name} |") and f"| {recipe} |" in line for line in table.splitlines())
     assert "host_overhead on cpu" in capsys.readouterr().out
 
 

@@ -8,6 +8,12 @@ module for, the ``torch._grouped_mm`` composition), and as the bare functional f
 no module: the stricter reference), and (CUDA) as ours replayed from a CUDA graph
 (:func:`fusible_ops.make_graphed_callables`). Medians over ``--rep`` calls after warm-up, with p20 / p80.
 
+FP8 rows: one Llama MLP block and the ``dense_layers`` stack (L4_d2048 on CUDA, 4 layers of d=128
+on CPU), each timed in turns under bf16 and every FP8 recipe (current, delayed, block scaling),
+with the kernels one call launches and the Python function calls it makes (the issue's target:
+each recipe's host time <= 1.2x bf16's). On CPU the FP8 math is emulated (its time is in the host
+time) and launches are the ATen ops and Triton launches the call makes.
+
 Then one training step of a 4-block model (RMSNorm -> Linear -> SwiGLU -> Linear -> residual
 add, hidden 1024; CUDA only): device time per step (forward, backward, SGD update; CUDA events)
 eager vs graphed.
@@ -188,35 +194,86 @@ def run(device: torch.device, warmup: int = 20, rep: int = 200) -> list[dict]:
         rows.append(row)
         del ours, peer, functional, ours_args, peer_args, dy, fns
         free_memory(device)
+    from ..kernels.fp8_gemm import fp8_capable
+    if device.type != "cuda" or fp8_capable(device):
+        rows.extend(_fp8_host(device, warmup, rep, small))
     if device.type == "cuda":
-        from ..kernels.fp8_gemm import fp8_capable
-        if fp8_capable(device):
-            rows.append(_fp8_host(device, warmup, rep))
         rows.append(_training_step(device, dtype))
     return rows
 
 
-def _fp8_host(device, warmup: int, rep: int, hidden: int = 2048, ffn: int = 5632, tokens: int = 4096) -> dict:
-    """Host us per fwd+bwd call of one Llama MLP block Sequential (RMSNorm -> Linear -> SwiGLU ->
-    Linear -> residual, no biases) in bf16 and under FP8 current scaling, timed in turns (the
-    issue's target: FP8 / bf16 <= 1.3x)."""
-    torch.manual_seed(0)
-    kw = dict(device=device, dtype=torch.bfloat16)
+FP8_RECIPES = (("bf16", None), ("fp8_current", fo.Float8CurrentScaling()), ("fp8_delayed", fo.Float8DelayedScaling()),
+               ("fp8_block", fo.Float8BlockScaling()))
+
+
+def _fp8_workloads(device, small: bool):
+    """(name, shape, step) of the FP8 host rows: one Llama MLP block Sequential (RMSNorm -> Linear
+    -> SwiGLU -> Linear -> residual, no biases) and the ``dense_layers`` stack (its L4_d2048
+    config on CUDA; 4 layers of d=128 on CPU). ``step(recipe)`` runs one forward + backward."""
+    from .cases_model import DenseLayer, Stack
+
+    kw = dict(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    hidden, ffn, tokens = (128, 256, 128) if small else (2048, 5632, 4096)
     block = fo.Sequential(fo.RMSNorm(hidden, **kw), fo.Linear(hidden, 2 * ffn, bias=False, **kw), fo.SwiGLU(),
                           fo.Linear(ffn, hidden, bias=False, **kw), fo.AddExtraInput(from_input=True))
     x = torch.randn(tokens, hidden, **kw, requires_grad=True)
     dy = torch.randn(tokens, hidden, **kw)
-    recipe = fo.Float8CurrentScaling()
+    yield "llama_mlp", f"d={hidden} f={ffn} tokens={tokens}", _recipe_step(block, (x,), dy)
+    del block, x, dy
+    L, d, heads, f, B, S = (4, 128, 4, 128, 2, 64) if small else (4, 2048, 16, 5632, 2, 2048)
+    stack = Stack([DenseLayer(d, heads, f, **kw) for _ in range(L)])
+    x = torch.randn(B, S, d, **kw, requires_grad=True)
+    dy = torch.randn(B, S, d, **kw)
+    yield "dense_layers", f"L={L} d={d} heads={heads} f={f} B={B} S={S}", _recipe_step(stack, (x,), dy)
 
-    def bf16():
-        block(x).backward(dy)
 
-    def fp8():
-        with fo.autocast(recipe=recipe):
-            block(x).backward(dy)
-    (b, f) = host_times_interleaved([bf16, fp8], device, warmup, rep)
-    return {"workload": "llama_mlp_fp8_host", "shape": f"d={hidden} f={ffn} tokens={tokens}",
-            "bf16_us": b, "fp8_us": f}
+def _recipe_step(model, args, dy):
+    def step(recipe):
+        def call():
+            with fo.autocast(recipe=recipe):
+                y = model(*args)
+            y.backward(dy)
+        return call
+    return step
+
+
+def launches_per_call(fn, device) -> int:
+    """Kernels one call of ``fn`` launches: on CUDA the profiler's device activities, on CPU the
+    ATen ops and Triton launches :func:`fusible_ops.testing.count_launches` sees (the reference
+    path's ops unless Triton's interpreter runs the kernels)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(device)
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    from ..testing.launches import count_launches
+
+    with count_launches() as n:
+        fn()
+    return n.launches
+
+
+def _fp8_host(device, warmup: int, rep: int, small: bool) -> list[dict]:
+    """Per FP8 workload: host us per fwd+bwd call under bf16 and each FP8 recipe (timed in turns;
+    the issue's target: each FP8 recipe's host time <= 1.2x bf16's), with the kernels each call
+    launches and the Python function calls it makes (counted on one more call each)."""
+    from ..testing.launches import count_python_calls
+
+    rows = []
+    torch.manual_seed(0)
+    for name, shape, step in _fp8_workloads(device, small):
+        fns = [step(r) for _, r in FP8_RECIPES]
+        times = host_times_interleaved(fns, device, warmup, rep)
+        recipes = {}
+        for (label, _), fn, t in zip(FP8_RECIPES, fns, times):
+            with count_python_calls() as calls:
+                fn()
+            recipes[label] = {"us": t, "launches": launches_per_call(fn, device), "python_calls": calls.python_calls}
+        rows.append({"workload": f"{name}_fp8_host", "shape": shape, "recipes": recipes})
+        del step, fns
+        free_memory(device)
+    return rows
 
 
 def _training_step(device, dtype, hidden: int = 1024, blocks: int = 4, tokens: int = 4096) -> dict:
@@ -263,10 +320,18 @@ def markdown(rows: list[dict], device: str) -> str:
         ratio_f = f"{o[0] / f[0]:.2f}x" if f else "-"
         lines.append(f"| {r['workload']} | {r['shape']} | {us(o)} | {us(t)} | {o[0] / t[0]:.2f}x | {us(f)} | "
                      f"{ratio_f} | {us(r.get('graphed_us'))} |")
-    for r in rows:
-        if "fp8_us" in r:
-            lines += ["", f"{r['workload']} ({r['shape']}): host us per fwd+bwd call, bf16 {us(r['bf16_us'])}, "
-                          f"FP8 current {us(r['fp8_us'])}, FP8 / bf16 {r['fp8_us'][0] / r['bf16_us'][0]:.2f}x"]
+    fp8 = [r for r in rows if "recipes" in r]
+    if fp8:
+        lines += ["", "FP8 recipes: host us per fwd+bwd call (median [p20, p80]), kernels launched and Python "
+                      "function calls per call" + (" (CPU: FP8 emulated, host time includes the CPU math; launches "
+                                                   "= ATen ops + Triton launches)" if device.startswith("cpu") else ""),
+                  "", "| workload | shape | recipe | host us | / bf16 | launches | Python calls |",
+                  "|---|---|---|---:|---:|---:|---:|"]
+        for r in fp8:
+            base = r["recipes"]["bf16"]["us"][0]
+            for label, v in r["recipes"].items():
+                lines.append(f"| {r['workload']} | {r['shape']} | {label} | {us(v['us'])} | {v['us'][0] / base:.2f}x | "
+                             f"{v['launches']} | {v['python_calls']} |")
     for r in rows:
         if "eager_step_ms" in r:
             lines += ["", f"{r['workload']} ({r['shape']}): eager {r['eager_step_ms']:.3f} ms/step, graphed "
@@ -291,4 +356,4 @@ def main(args) -> int:
     return 0
 
 
-__all__ = ["host_times_interleaved", "host_times_us", "main", "markdown", "run"]
+__all__ = ["host_times_interleaved", "host_times_us", "launches_per_call", "main", "markdown", "run"]

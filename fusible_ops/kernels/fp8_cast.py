@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from . import HAS_TRITON, interpreter_enabled, use_triton
-from .launch import TRITON_DTYPES, DirectKernel, cdiv, generic_key
+from .launch import TRITON_DTYPES, DirectKernel, cdiv, generic_key, geometry_cache, remember
 
 FP32_MAX = torch.finfo(torch.float32).max
 BLOCK = 128  # the block recipe's tile edge
@@ -402,18 +402,37 @@ def _cast_tensor_launch(x2, scale, dtype, transposed, amax, from_amax=False, inv
 
 def _cast_block_launch(x2, square, pow2, transposed, dtype):
     m, k = x2.shape
+    geo = (m, k, x2.stride(0), square, pow2, transposed, x2.dtype, dtype, x2.device)
+    rec = _BLOCK_LAUNCHES.get(geo)  # (what a launch of this geometry computes, computed once)
+    if rec is None:
+        rec = remember(_BLOCK_LAUNCHES, geo, _block_launch_record(x2, square, pow2, transposed, dtype))
+    grid, key, meta, ints = rec
     q = torch.empty(m, k, dtype=dtype, device=x2.device)
     s, st = block_scale_buffers(m, k, square, x2.device, transposed)
     qt = torch.empty(k, m, dtype=dtype, device=x2.device) if transposed else None
-    if m and k:
+    if key is not None:
         t_args = (qt, st) if transposed else (q, s)
-        bm, warps = BLOCK_CFG[square, transposed]
-        args = (x2, q, s, *t_args, x2, m, k, x2.stride(0), s.stride(0), s.stride(1), t_args[1].stride(0),
-                t_args[1].stride(1))
-        meta = dict(FMAX=_FMAX[dtype], SQUARE=square, POW2=pow2, HAS_T=transposed, SOFT_ROUND=interpreter_enabled(),
-                    BLOCK=BLOCK, BLOCK_M=bm, MAPPED=False, num_warps=warps)
-        _CAST_BLOCK((cdiv(m, bm), cdiv(k, BLOCK)), generic_key(args, meta), args, meta)
+        _CAST_BLOCK(grid, key, (x2, q, s, *t_args, x2, *ints), meta)
     return q, s, qt, st
+
+
+_BLOCK_LAUNCHES = geometry_cache()
+
+
+def _block_launch_record(x2, square, pow2, transposed, dtype) -> tuple:
+    """(grid, DirectKernel key or None for an empty tensor, constexprs, integer arguments) of a
+    block cast of ``x2``'s geometry."""
+    m, k = x2.shape
+    if not (m and k):
+        return None, None, None, None
+    s, st = block_scale_buffers(m, k, square, x2.device, transposed)
+    t_s = st if transposed else s
+    ints = (m, k, x2.stride(0), s.stride(0), s.stride(1), t_s.stride(0), t_s.stride(1))
+    bm, warps = BLOCK_CFG[square, transposed]
+    meta = dict(FMAX=_FMAX[dtype], SQUARE=square, POW2=pow2, HAS_T=transposed, SOFT_ROUND=interpreter_enabled(),
+                BLOCK=BLOCK, BLOCK_M=bm, MAPPED=False, num_warps=warps)
+    q = torch.empty(0, dtype=dtype, device=x2.device)
+    return (cdiv(m, bm), cdiv(k, BLOCK)), generic_key((x2, q, s, q, s, x2, *ints), meta), meta, ints
 
 
 def _cast_block_mapped_launch(x2, rowmap, pow2, dtype):

@@ -10,6 +10,7 @@ checkpoint that holds them restores them (see :class:`FP8StateMixin`).
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Optional
 
 import torch
@@ -22,6 +23,21 @@ from .tensor import Float8Tensor, float8
 
 _ROLE_INDEX = {r: i for i, r in enumerate(ROLES)}
 _HISTORY, _SCALE = "fp8_amax_history", "fp8_scale"
+# Batched updates (quantization.delayed): a module's ``__dict__[_ARMED][r]`` holds, after its
+# fuser updated role r's column for this call, the (scale, newest entry) its cast takes instead of
+# updating the column itself; ``_WATCH.stack[-1]`` (a list, while a fuser learns a plan's columns)
+# gets (owner, role index) of each column a cast updates itself.
+_ARMED = "_fp8_armed"
+
+
+class _Watch(threading.local):
+    stack: list
+
+    def __init__(self) -> None:
+        self.stack = []
+
+
+_WATCH = _Watch()
 
 
 # ---- delayed-scaling state
@@ -98,8 +114,17 @@ def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, x: torch.Tens
 
     ``record=False`` (an evaluation call: grad mode off, or the op in eval mode): nothing is
     written. Inputs and output gradients use the current ``fp8_scale`` (1 before any training
-    call); a weight its current amax. The entry returned is None then."""
+    call); a weight its current amax. The entry returned is None then.
+
+    Inside a fuser's training call (:mod:`fusible_ops.quantization.delayed`) the update of an input
+    or output-gradient column has usually run already, batched with the fuser's other columns:
+    the cast then takes the token its fuser left on ``owner`` (the same scale and entry)."""
     r = _ROLE_INDEX[role]
+    if record and r != 1:
+        armed = owner.__dict__.get(_ARMED)
+        if armed is not None and armed[r] is not None:  # updated already, with its fuser's other columns
+            token, armed[r] = armed[r], None
+            return token
     fmax = FP8_MAX[fp8_dtype(recipe, role)] / (2.0 ** recipe.margin)
     if not record:
         if role == "weight":
@@ -114,6 +139,9 @@ def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, x: torch.Tens
         return scale[r : r + 1], None
     reduce_amax(hist[0:1, r])
     delayed_update(hist, scale, r, fmax, recipe.amax_compute_algo == "max")  # one launch
+    watch = _WATCH.stack
+    if watch and watch[-1] is not None:
+        watch[-1].append((owner, r))
     return scale[r : r + 1], hist[0:1, r]
 
 

@@ -11,6 +11,8 @@
 * FP8: :func:`sqnr`, :func:`assert_sqnr`, the threshold table :data:`SQNR_DB` and
   :func:`quantized_reference` (:mod:`fusible_ops.testing.fp8`).
 * :func:`count_host_reads`: the host's reads of tensor data in a block (each a sync on a GPU).
+* :func:`count_launches`, :func:`count_python_calls`: the kernels a block launches (as on CUDA,
+  on any device) and the Python calls it makes (:mod:`fusible_ops.testing.launches`).
 """
 
 from .reference import (
@@ -19,6 +21,7 @@ from .reference import (
 )
 from .fp8 import SQNR_DB, assert_sqnr, quantized_reference, sqnr
 from .host_reads import HostReads, count_host_reads
+from .launches import LaunchCounts, count_launches, count_python_calls
 from .tolerances import (
     BASELINE_ATOL, BASELINE_FACTOR, NORM_TOLERANCES, TOLERANCES, assert_close, assert_close_norm, tolerance,
 )
@@ -26,7 +29,7 @@ from .tolerances import (
 _FROM_STRATEGIES = ("BUILTIN_OPS", "Chain", "OpSpec", "chains", "dtypes", "fusion_settings", "leading_shapes")
 
 __all__ = [
-    "HostReads", "count_host_reads",
+    "HostReads", "count_host_reads", "LaunchCounts", "count_launches", "count_python_calls",
     "SQNR_DB", "assert_sqnr", "quantized_reference", "sqnr",
     "BASELINE_ATOL", "BASELINE_FACTOR", "MissingReferenceError", "NORM_TOLERANCES", "TOLERANCES",
     "UncheckedOpWarning", "assert_close", "assert_close_norm", "assert_close_scaled", "assert_matches_reference",
