@@ -13,6 +13,7 @@ import contextlib
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..kernels.fp8_cast import cast_block, cast_tensor, delayed_update, scale_from_amax_ref, tensor_amax
 from ..training_state import VersionedStateMixin
@@ -40,6 +41,66 @@ class FP8StateMixin(VersionedStateMixin):
                 self.register_buffer(name, torch.empty_like(t, device=device))
         if self._buffers.get(_HISTORY) is not None:
             self._add_format_entry(device)
+
+    def _parameter_swapped(self, name: str, old: torch.Tensor, new: torch.Tensor) -> None:
+        """The weight cache holds the FP8 form of the tensor this module held: a swap drops it.
+        FSDP2 swaps at every unshard and reshard (and keeps the unsharded tensor's version
+        counter, so the cache key could not tell two unshards apart), so each unsharded weight is
+        cast once per unshard and its FP8 copy does not outlive the reshard. A swap from or to a
+        ``DTensor`` (FSDP2's sharded parameter) marks the module sharded: see
+        :func:`weight_for_backward`."""
+        weight_swapped(self, old, new)
+        super()._parameter_swapped(name, old, new)
+
+
+def weight_swapped(owner: torch.nn.Module, old: torch.Tensor, new: torch.Tensor) -> None:
+    """``owner``'s parameter ``old`` was replaced by ``new``: drop its cached FP8 weight, and mark
+    it sharded when either is a ``DTensor`` (see ``FP8StateMixin._parameter_swapped``). For a
+    module that owns a weight the ops cast and sets parameters through its own ``__setattr__``."""
+    owner.__dict__.pop("_fp8_weight_cache", None)
+    if _is_dtensor(old) or _is_dtensor(new):
+        owner.__dict__["_fp8_sharded"] = True
+
+
+def _is_dtensor(t) -> bool:
+    return any(c.__name__ == "DTensor" for c in type(t).__mro__)
+
+
+def _reusable(owner: torch.nn.Module, weight: torch.Tensor) -> bool:
+    """Whether ``owner``'s cached FP8 form of ``weight`` may serve a later call. Not for a weight
+    that FSDP2 gathers where ``owner`` does not see the swaps (a parameter of another module, or
+    of a module without our ``__setattr__``, e.g. a converted MoE block's experts): FSDP2 keeps
+    its version counter and often its address across unshards, so nothing in the cache key would
+    tell that the bytes were gathered again after an optimizer step; such a weight is cast at
+    every call (and marked sharded). Decided once per weight object."""
+    ok = _REUSE.get(weight)
+    if ok is not None:
+        return ok
+    sees = (type(owner).__setattr__ is not torch.nn.Module.__setattr__ and hasattr(owner, "_parameter_swapped")
+            and any(p is weight for p in owner._parameters.values()))
+    ok = sees or not _fsdp_unsharded(weight)
+    if not ok:
+        owner.__dict__["_fp8_sharded"] = True
+    _REUSE[weight] = ok
+    return ok
+
+
+_REUSE = WeakIdKeyDictionary()  # weight -> whether its cached FP8 form may be reused (see _reusable)
+
+
+def _fsdp_unsharded(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is the unsharded parameter of an FSDP2 (``fully_shard``) module."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    for ref in list(_module_state_mapping.values()):
+        state = ref() if callable(ref) else ref
+        group = getattr(state, "_fsdp_param_group", None)
+        for fp in getattr(group, "fsdp_params", ()):
+            if getattr(fp, "_unsharded_param", None) is weight:
+                return True
+    return False
 
 
 def _device_of(module: torch.nn.Module):
@@ -99,22 +160,33 @@ def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, x: torch.Tens
     ``record=False`` (an evaluation call: grad mode off, or the op in eval mode): nothing is
     written. Inputs and output gradients use the current ``fp8_scale`` (1 before any training
     call); a weight its current amax. The entry returned is None then."""
+    if role == "weight":
+        return weight_scale(owner, recipe, tensor_amax(x), record), None
     r = _ROLE_INDEX[role]
     fmax = FP8_MAX[fp8_dtype(recipe, role)] / (2.0 ** recipe.margin)
     if not record:
-        if role == "weight":
-            return scale_from_amax_ref(tensor_amax(x), fmax), None
         scale = owner._buffers.get(_SCALE)
         if scale is None:
             return torch.ones(1, dtype=torch.float32, device=x.device), None
         return scale[r : r + 1].to(x.device), None
     hist, scale = delayed_state(owner, recipe, x.device)
-    if role == "weight":
-        delayed_update(hist, scale, r, fmax, True, tensor_amax(x))
-        return scale[r : r + 1], None
     reduce_amax(hist[0:1, r])
     delayed_update(hist, scale, r, fmax, recipe.amax_compute_algo == "max")  # one launch
     return scale[r : r + 1], hist[0:1, r]
+
+
+def weight_scale(owner, recipe: Float8DelayedScaling, amax: torch.Tensor, record: bool = True) -> torch.Tensor:
+    """Delayed scaling's scale [1] for a weight whose amax is ``amax`` (fp32 [1]); with ``record``,
+    written into ``owner``'s state as newest entry of the weight column (not rolled) with the
+    scale it gives (see :func:`_delayed_scale`). The FP8 all-gather passes the whole weight's
+    amax, reduced over the shards (:mod:`fusible_ops.quantization.fsdp`)."""
+    r = _ROLE_INDEX["weight"]
+    fmax = FP8_MAX[fp8_dtype(recipe, "weight")] / (2.0 ** recipe.margin)
+    if not record:
+        return scale_from_amax_ref(amax, fmax)
+    hist, scale = delayed_state(owner, recipe, amax.device)
+    delayed_update(hist, scale, r, fmax, True, amax)
+    return scale[r : r + 1]
 
 
 def reduce_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -323,6 +395,8 @@ def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transpos
     cache: reading its key, the parameter's storage pointer and version, in a trace would break
     the graph, and a cache written by a trace would be guarded on); not counted."""
     record = record or not isinstance(recipe, Float8DelayedScaling)  # (only delayed scaling records)
+    if getattr(weight, "fp8_gathered", False):  # FSDP2 gathered it in FP8 (quantization.fsdp): no cast
+        return weight.fp8_form(owner, recipe, transposed, grouped, record and isinstance(recipe, Float8DelayedScaling))
     if torch.compiler.is_compiling():
         return _cast_weight(owner, weight, recipe, transposed, grouped, record)
     if _REPLAY is not None:  # a C++ replay records this call: the cached weight is one of its inputs
@@ -331,6 +405,27 @@ def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transpos
         with outside():  # (a cast made now is not part of the recorded call)
             return _cached_weight(owner, weight, recipe, transposed, grouped, record)
     return _cached_weight(owner, weight, recipe, transposed, grouped, record)
+
+
+def weight_for_backward(owner: torch.nn.Module, weight: torch.Tensor, wq) -> tuple:
+    """What a forward saves for its input gradient's transposed FP8 weight: ``wq.colwise``
+    (``(data_t, scale_inv_t)``). Under FSDP2 (``owner``'s parameters are sharded: see
+    ``FP8StateMixin._parameter_swapped``) ``(weight, None)`` instead: the unsharded weight, whose
+    memory FSDP2 frees at the reshard after forward and gathers again before backward, so no FP8
+    copy of a whole weight is kept between forward and backward; :func:`weight_in_backward` then
+    takes the transposed copy from the weight cache (no cast where the weight stayed unsharded, one
+    per unshard where it was gathered again)."""
+    if owner.__dict__.get("_fp8_sharded"):
+        return weight, None
+    return wq.colwise
+
+
+def weight_in_backward(owner: torch.nn.Module, saved: tuple, recipe, grouped: bool, record: bool) -> tuple:
+    """``(data_t, scale_inv_t)`` from what :func:`weight_for_backward` saved."""
+    data, inv = saved
+    if data is not None and inv is None:
+        return cached_weight(owner, data, recipe, transposed=True, grouped=grouped, record=record).colwise
+    return saved
 
 
 def _cache_key(weight, recipe, transposed: bool, grouped: bool, record: bool) -> tuple:
@@ -345,10 +440,12 @@ def _cached_weight(owner, weight, recipe, transposed: bool, grouped: bool, recor
             _GRAPH_WEIGHTS.append((owner, weight, recipe, transposed, grouped, record, hit[1]))
             return hit[1]
         return _cast_weight(owner, weight, recipe, transposed, grouped, record)
-    if hit is not None and hit[0] == key:
+    reusable = _reusable(owner, weight)
+    if hit is not None and hit[0] == key and reusable:
         return hit[1]
     wq = _cast_weight(owner, weight, recipe, transposed, grouped, record)
-    owner.__dict__["_fp8_weight_cache"] = (key, wq)
+    if reusable:
+        owner.__dict__["_fp8_weight_cache"] = (key, wq)
     owner.__dict__["fp8_weight_casts"] = owner.__dict__.get("fp8_weight_casts", 0) + 1
     return wq
 
@@ -426,4 +523,5 @@ def refresh_graph_weights(entries) -> None:
 
 
 __all__ = ["FP8StateMixin", "GradOutputQuantizer", "InputQuantizer", "cached_weight", "delayed_state", "graph_weight_cache",
-           "init_delayed_state", "quantize", "refresh_graph_weights", "replay_weight_tensors", "replay_weights", "with_colwise"]
+           "init_delayed_state", "quantize", "refresh_graph_weights", "replay_weight_tensors", "replay_weights",
+           "weight_for_backward", "weight_in_backward", "weight_scale", "weight_swapped", "with_colwise"]
