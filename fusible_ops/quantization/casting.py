@@ -170,7 +170,6 @@ def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, x: torch.Tens
             return torch.ones(1, dtype=torch.float32, device=x.device), None
         return scale[r : r + 1].to(x.device), None
     hist, scale = delayed_state(owner, recipe, x.device)
-    reduce_amax(hist[0:1, r])
     delayed_update(hist, scale, r, fmax, recipe.amax_compute_algo == "max")  # one launch
     return scale[r : r + 1], hist[0:1, r]
 
@@ -192,7 +191,9 @@ def weight_scale(owner, recipe: Float8DelayedScaling, amax: torch.Tensor, record
 def reduce_amax(amax: torch.Tensor) -> torch.Tensor:
     """An amax (current scaling's, or delayed scaling's new history entry) made the max over the
     active ``amax_reduction_group`` (in place; one all-reduce), so that every rank of the group
-    casts with the scale one process holding all their rows would take. No group: unchanged."""
+    casts with the scale one process holding all their rows would take. No group: unchanged.
+    Delayed scaling reduces an entry as soon as its cast recorded it, so the state is the same on
+    every rank of the group after every call (a checkpoint holds one copy of it)."""
     group = amax_reduction_group()
     if group is not None:
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -272,13 +273,18 @@ class InputQuantizer:
             q, qt = cast_tensor(y, reduce_amax(amax), dtype, colwise, from_amax=True, inv=inv)  # (scale: in the cast)
             return self._wrap(y.dtype, y.shape, q, qt, inv)
         scale, entry = _delayed_scale(self.owner, self.recipe, self.role, like, self.records())
-        if entry is None:  # (an evaluation call records nothing: the producer raises a scratch amax)
+        recorded = entry is not None
+        if not recorded:  # (an evaluation call records nothing: the producer raises a scratch amax)
             entry = torch.zeros(1, dtype=torch.float32, device=like.device)
         if colwise or not direct:  # both layouts: the producer's pass records the amax, one cast + transpose pass
             y = run(amax=entry)
+            if recorded:
+                reduce_amax(entry)
             q, qt = cast_tensor(y, scale, dtype, colwise, inv=inv)
             return self._wrap(y.dtype, y.shape, q, qt, inv)
         q, qt = run(amax=entry, scale=scale, fp8_dtype=dtype), None
+        if recorded:
+            reduce_amax(entry)
         return self._wrap(like.dtype, (*like.shape[:-1], q.shape[-1]), q, qt, 1.0 / scale)
 
     def _wrap(self, dtype, shape, q, qt, inv) -> Float8Tensor:
@@ -325,6 +331,8 @@ def quantize(x: torch.Tensor, recipe, role: str, *, transposed: bool = False,
             raise ValueError("quantize: Float8DelayedScaling needs owner= (the module holding the amax history)")
         scale, amax_out = _delayed_scale(owner, recipe, role, x, record)
         q, qt = cast_tensor(x, scale, dtype, transposed, amax_out, inv=inv)
+        if amax_out is not None:
+            reduce_amax(amax_out)
     else:
         raise TypeError(f"quantize: unknown recipe {recipe!r}")
     inv = inv.reshape(())

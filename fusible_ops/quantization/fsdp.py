@@ -346,8 +346,25 @@ def enable_fp8_all_gather(model: torch.nn.Module) -> int:
         new = torch.nn.Parameter(Float8AllGatherWeight(w.detach()), requires_grad=w.requires_grad)
         m._parameters["weight"] = new
         m.__dict__.pop("_fp8_weight_cache", None)
+        m.register_state_dict_post_hook(_plain_in_state_dict)
         n += 1
     return n
+
+
+def _plain_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    """``state_dict()`` holds the weight's plain tensor (a ``DTensor`` of it once sharded), sharing
+    its memory: checkpoints are the same with or without FP8 all-gather, and a loader that fills
+    the state dict's tensors in place (``torch.distributed.checkpoint``) fills the weight."""
+    key = prefix + "weight"
+    t = state_dict.get(key)
+    local = getattr(t, "_local_tensor", None)
+    if type(local) is Float8AllGatherWeight:
+        from torch.distributed.tensor import DTensor
+
+        state_dict[key] = DTensor.from_local(local._hp, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                             stride=t.stride())
+    elif isinstance(t, Float8AllGatherWeight):
+        state_dict[key] = t._hp
 
 
 __all__ = ["Float8AllGatherWeight", "Float8GatheredWeight", "enable_fp8_all_gather", "precompute_fp8_scales"]
