@@ -7,9 +7,9 @@ all-gather, which then moves one byte per element, and the gathered FP8 weight i
 read:
 
 * :func:`enable_fp8_all_gather` (before ``fully_shard``) makes the weight of every ``Linear``,
-  ``BasicLinear`` and ``GroupedLinear`` a :class:`Float8AllGatherWeight`: a plain tensor subclass
-  (its own storage, so the optimizer, ``state_dict`` and DCP see an ordinary tensor) whose
-  ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` FSDP2 calls at every unshard.
+  ``BasicLinear`` and ``GroupedLinear`` a :class:`Float8AllGatherWeight`: a tensor subclass around
+  the high-precision weight (what FSDP2 shards, the optimizer updates and ``state_dict`` holds)
+  whose ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` FSDP2 calls at every unshard.
 * ``fsdp_pre_all_gather`` casts this rank's shard under the active recipe (in backward: the recipe
   of the forward that last gathered it) with the scale the whole weight would get, so the gathered
   bytes and scales equal those of casting the unsharded weight (bit for bit, every recipe):
@@ -41,7 +41,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from ..kernels.fp8_cast import BLOCK, cast_block, cast_tensor, tensor_amax
-from .casting import _is_dtensor, weight_scale
+from .casting import FP8StateMixin, _is_dtensor, weight_scale
 from .recipes import E4M3, Float8BlockScaling, Float8DelayedScaling, current_recipe
 from .tensor import Float8Tensor, dequantize_2d
 
@@ -330,15 +330,10 @@ def enable_fp8_all_gather(model: torch.nn.Module) -> int:
     :class:`Float8AllGatherWeight` (same values, same ``requires_grad``). Call it before
     ``fully_shard``; every forward must then run inside ``fusible_ops.autocast`` with a recipe.
     Returns the number of weights converted."""
-    from ..ops.grouped_linear import GroupedLinear
-    from ..ops.linear import BasicLinear, Linear
-
     n = 0
-    for m in model.modules():
-        if not isinstance(m, (Linear, BasicLinear, GroupedLinear)):
-            continue
-        w = m._parameters.get("weight")  # (a BasicLinear inside a Linear borrows it: the Linear holds it)
-        if w is None or isinstance(w, Float8AllGatherWeight):
+    for m in model.modules():  # (the modules owning a weight the ops cast: a BasicLinear inside a
+        w = m._parameters.get("weight")  # Linear borrows it, the Linear holds it)
+        if not isinstance(m, FP8StateMixin) or w is None or isinstance(w, Float8AllGatherWeight):
             continue
         if _is_dtensor(w):
             raise RuntimeError(f"enable_fp8_all_gather: {_name(m)}'s weight is already sharded; call it before "
