@@ -1,17 +1,22 @@
-"""FP8 under FSDP2 (``fully_shard``), plain ``.grad`` mode, gloo (CPU: FP8 emulated in float32).
+"""FP8 under FSDP2 (``fully_shard``), plain ``.grad`` mode: gloo in CI (CPU: FP8 emulated in
+float32), NCCL on GPUs.
 
 * Each rank trains on its slice of the batch under ``fo.autocast(recipe, amax_reduction_group=
   WORLD)`` (every per-tensor scale the max over the ranks, as one process holding every row would
-  take it), against one process on the whole batch over a few AdamW steps: every recipe, with and
+  take it) for a few AdamW steps, against one process on the whole batch in lockstep (each step
+  from the run's parameters: loss, gradients and update to fp32 rounding): every recipe, with and
   without FP8 all-gather, at 2 and 4 ranks. A dense block (RMSNorm, Linear, SwiGLU, Linear) and
   an expert MLP (GroupedLinear, SwiGLU, GroupedLinear: the fused grouped MLP under per-tensor
   recipes) each under its own ``fully_shard``.
 * FP8 all-gather (``fo.quantization.enable_fp8_all_gather``) equals FSDP2 without it bit for bit
-  (losses, parameters, delayed-scaling state): the gathered bytes and scales are those of casting
-  the unsharded weight.
+  (losses, gradients, parameters, delayed-scaling state), also with uneven shards and bf16
+  ``param_dtype``: the gathered bytes and scales are those of casting the unsharded weight. What
+  it cannot do raises, naming the recipe.
 * The weight cache under FSDP2: each unsharded weight is cast once per unshard (counted), also
   across an accumulation window with the weights kept unsharded, and again after every optimizer
   step (FSDP2 keeps the unsharded tensor's version counter, and often its address).
+* One GPU (``gpu``): world 1 over NCCL, bf16, with and without an amax group (without, CUDA
+  replays the calls from C++).
 """
 
 from __future__ import annotations
