@@ -29,7 +29,8 @@ What must hold (the contract)
   are honoured) and hands them to autograd.
 * Plans are cached. Rule predicates and checkers may read an op's attributes: assigning any
   attribute of an op (``op.flag = True``, ``op.train()``) bumps its ``state_version``, which is
-  part of the plan key. State a rule reads that is not an attribute assignment (a value inside
+  part of the plan key; replacing a parameter by a tensor of the same shape, dtype and device
+  (FSDP2's unshard and reshard) does not (see ``_parameter_swapped``). State a rule reads that is not an attribute assignment (a value inside
   a mutable container, a global) must be reported by ``plan_key()``.
   ``dx`` may be ``None`` when ``ctxs[0].input_requires_grad`` is False.
 * A weight that does not require grad costs no weight-gradient work and forward saves nothing
@@ -91,6 +92,10 @@ class OperationContext:
         self._saved = ()
 
 
+def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
 STATE_EPOCH = [0]
 """Bumped with every op's ``state_version``: a fuser re-reads its ops' versions only when it moved."""
 
@@ -138,8 +143,20 @@ class FusibleOperation(torch.nn.Module):
         super().__init__()
 
     def __setattr__(self, name: str, value: Any) -> None:
+        params = self.__dict__.get("_parameters")
+        old = params.get(name) if params is not None else None
         super().__setattr__(name, value)
-        self._bump_state_version()
+        if old is not None and isinstance(value, torch.Tensor) and _same_geometry(old, value):
+            self._parameter_swapped(name, old, value)  # (no replan: the fuser reads parameters per call)
+        else:
+            self._bump_state_version()
+
+    def _parameter_swapped(self, name: str, old: torch.Tensor, new: torch.Tensor) -> None:
+        """A parameter was replaced by another tensor of the same shape, dtype and device, e.g. by
+        FSDP2 (``fully_shard``), which swaps every parameter between its sharded ``DTensor`` and the
+        unsharded tensor at each unshard and reshard. Plans do not depend on which tensor it is
+        (the fuser reads the parameters at every call), so the op's ``state_version`` stays; ops
+        that keep something derived from a parameter drop it here (the FP8 weight cache)."""
 
     def __delattr__(self, name: str) -> None:
         super().__delattr__(name)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ..ops.linear import BasicLinear
 from ..ops.loss import CrossEntropy
+from ..quantization.casting import weight_swapped
 from ..quantization.recipes import autocast
 from ..sequential import Sequential
 from ..testing.tolerances import TOLERANCES
@@ -92,6 +93,17 @@ class ConvertedLMHead(torch.nn.Linear):
         self.recipe = recipe
         self.deferring = False
         self.__dict__["_seqs"] = {}
+
+    def __setattr__(self, name: str, value) -> None:
+        old = self.__dict__.get("_parameters", {}).get(name)
+        super().__setattr__(name, value)
+        if old is not None and isinstance(value, torch.Tensor):
+            self._parameter_swapped(name, old, value)
+
+    def _parameter_swapped(self, name: str, old: torch.Tensor, new: torch.Tensor) -> None:
+        """The weight was replaced (FSDP2 swaps it at every unshard and reshard, through this
+        ``__setattr__``): its cached FP8 form goes (see ``FP8StateMixin._parameter_swapped``)."""
+        weight_swapped(self, old, new)
 
     def _seq(self, key) -> Sequential:
         seq = self._seqs.get(key)

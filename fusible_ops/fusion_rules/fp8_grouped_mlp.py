@@ -24,7 +24,8 @@ from ..kernels.fp8_grouped_gemm import fp8_grouped_mm, fp8_grouped_wgrad
 from ..kernels.grouped_gemm import grouped_bias_grad
 from ..kernels.grouped_glu import grouped_dglu_fp8, grouped_glu_fwd_fp8
 from ..kernels.moe_combine import gather_rows_t
-from ..quantization.casting import GradOutputQuantizer, InputQuantizer, cached_weight, quantize
+from ..quantization.casting import (GradOutputQuantizer, InputQuantizer, cached_weight, quantize, weight_for_backward,
+                                   weight_in_backward)
 
 
 def _bias_grad(op, ctx) -> bool:
@@ -70,10 +71,11 @@ def fp8_mlp_forward(fused, ctxs, x2d: torch.Tensor, splits: torch.Tensor, scales
         c2.fp8, c2.weight_grad, c2.bias_grad = recipe, wg2, _bias_grad(fc2, c2)
         c1.gather = gather  # with it, the "colwise" slots hold the row-wise FP8 tokens
         c1.save_for_backward(*((xq.colwise if gather is None else xq.rowwise) if wg1 else (None, None)),
-                             *(w1q.colwise if c1.input_requires_grad else (None, None)), splits)
+                             *(weight_for_backward(o1, fc1.weight, w1q) if c1.input_requires_grad else (None, None)),
+                             splits)
         ca.save_for_backward(kept["h"], scales)
         ca.scales_grad = scales is not None and scales.requires_grad
-        c2.save_for_backward(*(yq.colwise if wg2 else (None, None)), *w2q.colwise)
+        c2.save_for_backward(*(yq.colwise if wg2 else (None, None)), *weight_for_backward(o2, fc2.weight, w2q))
     return out
 
 
@@ -85,6 +87,7 @@ def fp8_mlp_backward(fused, ctxs, dy2: torch.Tensor):
     xt, xt_inv, w1t, w1t_inv, splits = c1.saved_tensors
     h, scales = ca.saved_tensors
     yt, yt_inv, w2t, w2t_inv = c2.saved_tensors
+    w2t, w2t_inv = weight_in_backward(fc2.param_owner("weight"), (w2t, w2t_inv), recipe, True, c2.training)
     dyq = quantize(dy2, recipe, "grad_output", transposed=c2.weight_grad, owner=fc2.param_owner("weight"),
                    record=c2.training)
     dw2 = None
@@ -110,7 +113,8 @@ def fp8_mlp_backward(fused, ctxs, dy2: torch.Tensor):
         dhq = into_fc1.produce(dglu, like=h, direct=False)
         dscales = kept["ds"]
         if c1.input_requires_grad:
-            dx = fp8_grouped_mm(dhq.rowwise, (w1t, w1t_inv), splits, dy2.dtype)
+            w1t = weight_in_backward(fc1.param_owner("weight"), (w1t, w1t_inv), recipe, True, c1.training)
+            dx = fp8_grouped_mm(dhq.rowwise, w1t, splits, dy2.dtype)
         if c1.weight_grad:
             if c1.gather is not None:  # FP8 tokens -> the copies, column-wise (same per-tensor scale)
                 xt = gather_rows_t(xt, c1.gather)

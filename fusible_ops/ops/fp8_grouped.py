@@ -39,7 +39,8 @@ import torch
 from ..grad import deliver_weight_grad
 from ..kernels.fp8_grouped_gemm import cast_block_padded, fp8_grouped_mm, fp8_grouped_wgrad
 from ..kernels.grouped_gemm import grouped_bias_grad, grouped_gemm_wgrad
-from ..quantization.casting import GradOutputQuantizer, InputQuantizer, cached_weight, quantize, with_colwise
+from ..quantization.casting import (GradOutputQuantizer, InputQuantizer, cached_weight, quantize, weight_for_backward,
+                                   weight_in_backward, with_colwise)
 from ..quantization.recipes import Float8BlockScaling, current_recipe
 from ..quantization.tensor import float8, is_float8
 
@@ -131,7 +132,7 @@ def fp8_grouped_forward(op, ctx, x2d: torch.Tensor, splits: torch.Tensor, recipe
         ctx.fp8 = recipe
         if hp_wgrad:  # (the input itself; the second slot unused)
             xt = (x2d, None)
-        wt = wq.colwise if dg else (None, None)
+        wt = weight_for_backward(owner, w, wq) if dg else (None, None)
         ctx.save_for_backward(*xt, *wt, splits)
     return y
 
@@ -156,7 +157,8 @@ def fp8_grouped_backward(op, ctx, dy2d: torch.Tensor) -> tuple:
     elif ctx.input_requires_grad or (wg and not hp):  # (an FP8 output gradient serves them)
         dyq, dy_t = _cast(dy2d, splits, ctx.fp8, "grad_output", wg and not hp, owner, ctx.training)
     if ctx.input_requires_grad:
-        dx = fp8_grouped_mm(dyq.rowwise, (wt, wt_inv), splits, dy2d.dtype)
+        wt = weight_in_backward(owner, (wt, wt_inv), ctx.fp8, True, ctx.training)
+        dx = fp8_grouped_mm(dyq.rowwise, wt, splits, dy2d.dtype)
     dw: Optional[torch.Tensor] = None
     if hp:  # (16-bit weight gradient from the saved input: few rows per expert)
         dw = deliver_weight_grad(op, w, lambda out, acc: _hp_wgrad(dy2d, xt, splits, w, out, acc))

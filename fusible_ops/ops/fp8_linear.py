@@ -24,7 +24,7 @@ import torch
 
 from ..grad import deliver_weight_grad
 from ..kernels.fp8_gemm import fp8_gemm
-from ..quantization.casting import cached_weight, quantize, with_colwise
+from ..quantization.casting import cached_weight, quantize, weight_for_backward, weight_in_backward, with_colwise
 from ..quantization.recipes import Float8BlockScaling
 from ..quantization.tensor import is_float8
 
@@ -63,7 +63,7 @@ def fp8_forward(lin, ctx, x: torch.Tensor, recipe) -> torch.Tensor:
         ctx.weight_grad = wg
         ctx.fp8 = (recipe, xq.scaling, wq.scaling)
         xt = xq.colwise if wg else (None, None)
-        wt = wq.colwise if dg else (None, None)
+        wt = weight_for_backward(owner, w, wq) if dg else (None, None)
         ctx.save_for_backward(*xt, *wt)
         ctx.input_shape = x.shape
     return y.reshape(*x.shape[:-1], n)
@@ -82,7 +82,8 @@ def fp8_backward(lin, ctx, dy: torch.Tensor):
                        record=ctx.training)
     dx = None
     if ctx.input_requires_grad:
-        dx = fp8_gemm(dyq.rowwise, (wt_data, wt_scale), dyq.scaling, w_scaling, dy.dtype)
+        wt = weight_in_backward(lin.param_owner("weight"), (wt_data, wt_scale), recipe, False, ctx.training)
+        dx = fp8_gemm(dyq.rowwise, wt, dyq.scaling, w_scaling, dy.dtype)
         dx = dx.reshape(ctx.input_shape)
     dw = None
     if wg:

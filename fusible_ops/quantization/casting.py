@@ -14,6 +14,7 @@ import threading
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..kernels.fp8_cast import cast_block, cast_tensor, delayed_update, scale_from_amax_ref, tensor_amax
 from ..training_state import VersionedStateMixin
@@ -56,6 +57,66 @@ class FP8StateMixin(VersionedStateMixin):
                 self.register_buffer(name, torch.empty_like(t, device=device))
         if self._buffers.get(_HISTORY) is not None:
             self._add_format_entry(device)
+
+    def _parameter_swapped(self, name: str, old: torch.Tensor, new: torch.Tensor) -> None:
+        """The weight cache holds the FP8 form of the tensor this module held: a swap drops it.
+        FSDP2 swaps at every unshard and reshard (and keeps the unsharded tensor's version
+        counter, so the cache key could not tell two unshards apart), so each unsharded weight is
+        cast once per unshard and its FP8 copy does not outlive the reshard. A swap from or to a
+        ``DTensor`` (FSDP2's sharded parameter) marks the module sharded: see
+        :func:`weight_for_backward`."""
+        weight_swapped(self, old, new)
+        super()._parameter_swapped(name, old, new)
+
+
+def weight_swapped(owner: torch.nn.Module, old: torch.Tensor, new: torch.Tensor) -> None:
+    """``owner``'s parameter ``old`` was replaced by ``new``: drop its cached FP8 weight, and mark
+    it sharded when either is a ``DTensor`` (see ``FP8StateMixin._parameter_swapped``). For a
+    module that owns a weight the ops cast and sets parameters through its own ``__setattr__``."""
+    owner.__dict__.pop("_fp8_weight_cache", None)
+    if _is_dtensor(old) or _is_dtensor(new):
+        owner.__dict__["_fp8_sharded"] = True
+
+
+def _is_dtensor(t) -> bool:
+    return any(c.__name__ == "DTensor" for c in type(t).__mro__)
+
+
+def _reusable(owner: torch.nn.Module, weight: torch.Tensor) -> bool:
+    """Whether ``owner``'s cached FP8 form of ``weight`` may serve a later call. Not for a weight
+    that FSDP2 gathers where ``owner`` does not see the swaps (a parameter of another module, or
+    of a module without our ``__setattr__``, e.g. a converted MoE block's experts): FSDP2 keeps
+    its version counter and often its address across unshards, so nothing in the cache key would
+    tell that the bytes were gathered again after an optimizer step; such a weight is cast at
+    every call (and marked sharded). Decided once per weight object."""
+    ok = _REUSE.get(weight)
+    if ok is not None:
+        return ok
+    sees = (type(owner).__setattr__ is not torch.nn.Module.__setattr__ and hasattr(owner, "_parameter_swapped")
+            and any(p is weight for p in owner._parameters.values()))
+    ok = sees or not _fsdp_unsharded(weight)
+    if not ok:
+        owner.__dict__["_fp8_sharded"] = True
+    _REUSE[weight] = ok
+    return ok
+
+
+_REUSE = WeakIdKeyDictionary()  # weight -> whether its cached FP8 form may be reused (see _reusable)
+
+
+def _fsdp_unsharded(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is the unsharded parameter of an FSDP2 (``fully_shard``) module."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    for ref in list(_module_state_mapping.values()):
+        state = ref() if callable(ref) else ref
+        group = getattr(state, "_fsdp_param_group", None)
+        for fp in getattr(group, "fsdp_params", ()):
+            if getattr(fp, "_unsharded_param", None) is weight:
+                return True
+    return False
 
 
 def _device_of(module: torch.nn.Module):
@@ -119,25 +180,21 @@ def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, x: torch.Tens
     Inside a fuser's training call (:mod:`fusible_ops.quantization.delayed`) the update of an input
     or output-gradient column has usually run already, batched with the fuser's other columns:
     the cast then takes the token its fuser left on ``owner`` (the same scale and entry)."""
+    if role == "weight":
+        return weight_scale(owner, recipe, tensor_amax(x), record), None
     r = _ROLE_INDEX[role]
-    if record and r != 1:
+    if record:
         armed = owner.__dict__.get(_ARMED)
         if armed is not None and armed[r] is not None:  # updated already, with its fuser's other columns
             token, armed[r] = armed[r], None
             return token
     fmax = FP8_MAX[fp8_dtype(recipe, role)] / (2.0 ** recipe.margin)
     if not record:
-        if role == "weight":
-            return scale_from_amax_ref(tensor_amax(x), fmax), None
         scale = owner._buffers.get(_SCALE)
         if scale is None:
             return torch.ones(1, dtype=torch.float32, device=x.device), None
         return scale[r : r + 1].to(x.device), None
     hist, scale = delayed_state(owner, recipe, x.device)
-    if role == "weight":
-        delayed_update(hist, scale, r, fmax, True, tensor_amax(x))
-        return scale[r : r + 1], None
-    reduce_amax(hist[0:1, r])
     delayed_update(hist, scale, r, fmax, recipe.amax_compute_algo == "max")  # one launch
     watch = _WATCH.stack
     if watch and watch[-1] is not None:
@@ -145,10 +202,26 @@ def _delayed_scale(owner, recipe: Float8DelayedScaling, role: str, x: torch.Tens
     return scale[r : r + 1], hist[0:1, r]
 
 
+def weight_scale(owner, recipe: Float8DelayedScaling, amax: torch.Tensor, record: bool = True) -> torch.Tensor:
+    """Delayed scaling's scale [1] for a weight whose amax is ``amax`` (fp32 [1]); with ``record``,
+    written into ``owner``'s state as newest entry of the weight column (not rolled) with the
+    scale it gives (see :func:`_delayed_scale`). The FP8 all-gather passes the whole weight's
+    amax, reduced over the shards (:mod:`fusible_ops.quantization.fsdp`)."""
+    r = _ROLE_INDEX["weight"]
+    fmax = FP8_MAX[fp8_dtype(recipe, "weight")] / (2.0 ** recipe.margin)
+    if not record:
+        return scale_from_amax_ref(amax, fmax)
+    hist, scale = delayed_state(owner, recipe, amax.device)
+    delayed_update(hist, scale, r, fmax, True, amax)
+    return scale[r : r + 1]
+
+
 def reduce_amax(amax: torch.Tensor) -> torch.Tensor:
     """An amax (current scaling's, or delayed scaling's new history entry) made the max over the
     active ``amax_reduction_group`` (in place; one all-reduce), so that every rank of the group
-    casts with the scale one process holding all their rows would take. No group: unchanged."""
+    casts with the scale one process holding all their rows would take. No group: unchanged.
+    Delayed scaling reduces an entry as soon as its cast recorded it, so the state is the same on
+    every rank of the group after every call (a checkpoint holds one copy of it)."""
     group = amax_reduction_group()
     if group is not None:
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -228,13 +301,18 @@ class InputQuantizer:
             q, qt = cast_tensor(y, reduce_amax(amax), dtype, colwise, from_amax=True, inv=inv)  # (scale: in the cast)
             return self._wrap(y.dtype, y.shape, q, qt, inv)
         scale, entry = _delayed_scale(self.owner, self.recipe, self.role, like, self.records())
-        if entry is None:  # (an evaluation call records nothing: the producer raises a scratch amax)
+        recorded = entry is not None
+        if not recorded:  # (an evaluation call records nothing: the producer raises a scratch amax)
             entry = torch.zeros(1, dtype=torch.float32, device=like.device)
         if colwise or not direct:  # both layouts: the producer's pass records the amax, one cast + transpose pass
             y = run(amax=entry)
+            if recorded:
+                reduce_amax(entry)
             q, qt = cast_tensor(y, scale, dtype, colwise, inv=inv)
             return self._wrap(y.dtype, y.shape, q, qt, inv)
         q, qt = run(amax=entry, scale=scale, fp8_dtype=dtype), None
+        if recorded:
+            reduce_amax(entry)
         return self._wrap(like.dtype, (*like.shape[:-1], q.shape[-1]), q, qt, 1.0 / scale)
 
     def _wrap(self, dtype, shape, q, qt, inv) -> Float8Tensor:
@@ -281,6 +359,8 @@ def quantize(x: torch.Tensor, recipe, role: str, *, transposed: bool = False,
             raise ValueError("quantize: Float8DelayedScaling needs owner= (the module holding the amax history)")
         scale, amax_out = _delayed_scale(owner, recipe, role, x, record)
         q, qt = cast_tensor(x, scale, dtype, transposed, amax_out, inv=inv)
+        if amax_out is not None:
+            reduce_amax(amax_out)
     else:
         raise TypeError(f"quantize: unknown recipe {recipe!r}")
     inv = inv.reshape(())
@@ -351,6 +431,8 @@ def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transpos
     cache: reading its key, the parameter's storage pointer and version, in a trace would break
     the graph, and a cache written by a trace would be guarded on); not counted."""
     record = record or not isinstance(recipe, Float8DelayedScaling)  # (only delayed scaling records)
+    if getattr(weight, "fp8_gathered", False):  # FSDP2 gathered it in FP8 (quantization.fsdp): no cast
+        return weight.fp8_form(owner, recipe, transposed, grouped, record and isinstance(recipe, Float8DelayedScaling))
     if torch.compiler.is_compiling():
         return _cast_weight(owner, weight, recipe, transposed, grouped, record)
     if _REPLAY is not None:  # a C++ replay records this call: the cached weight is one of its inputs
@@ -359,6 +441,27 @@ def cached_weight(owner: torch.nn.Module, weight: torch.Tensor, recipe, transpos
         with outside():  # (a cast made now is not part of the recorded call)
             return _cached_weight(owner, weight, recipe, transposed, grouped, record)
     return _cached_weight(owner, weight, recipe, transposed, grouped, record)
+
+
+def weight_for_backward(owner: torch.nn.Module, weight: torch.Tensor, wq) -> tuple:
+    """What a forward saves for its input gradient's transposed FP8 weight: ``wq.colwise``
+    (``(data_t, scale_inv_t)``). Under FSDP2 (``owner``'s parameters are sharded: see
+    ``FP8StateMixin._parameter_swapped``) ``(weight, None)`` instead: the unsharded weight, whose
+    memory FSDP2 frees at the reshard after forward and gathers again before backward, so no FP8
+    copy of a whole weight is kept between forward and backward; :func:`weight_in_backward` then
+    takes the transposed copy from the weight cache (no cast where the weight stayed unsharded, one
+    per unshard where it was gathered again)."""
+    if owner.__dict__.get("_fp8_sharded"):
+        return weight, None
+    return wq.colwise
+
+
+def weight_in_backward(owner: torch.nn.Module, saved: tuple, recipe, grouped: bool, record: bool) -> tuple:
+    """``(data_t, scale_inv_t)`` from what :func:`weight_for_backward` saved."""
+    data, inv = saved
+    if data is not None and inv is None:
+        return cached_weight(owner, data, recipe, transposed=True, grouped=grouped, record=record).colwise
+    return saved
 
 
 def _cache_key(weight, recipe, transposed: bool, grouped: bool, record: bool) -> tuple:
@@ -373,10 +476,12 @@ def _cached_weight(owner, weight, recipe, transposed: bool, grouped: bool, recor
             _GRAPH_WEIGHTS.append((owner, weight, recipe, transposed, grouped, record, hit[1]))
             return hit[1]
         return _cast_weight(owner, weight, recipe, transposed, grouped, record)
-    if hit is not None and hit[0] == key:
+    reusable = _reusable(owner, weight)
+    if hit is not None and hit[0] == key and reusable:
         return hit[1]
     wq = _cast_weight(owner, weight, recipe, transposed, grouped, record)
-    owner.__dict__["_fp8_weight_cache"] = (key, wq)
+    if reusable:
+        owner.__dict__["_fp8_weight_cache"] = (key, wq)
     owner.__dict__["fp8_weight_casts"] = owner.__dict__.get("fp8_weight_casts", 0) + 1
     return wq
 
@@ -454,4 +559,5 @@ def refresh_graph_weights(entries) -> None:
 
 
 __all__ = ["FP8StateMixin", "GradOutputQuantizer", "InputQuantizer", "cached_weight", "delayed_state", "graph_weight_cache",
-           "init_delayed_state", "quantize", "refresh_graph_weights", "replay_weight_tensors", "replay_weights", "with_colwise"]
+           "init_delayed_state", "quantize", "refresh_graph_weights", "replay_weight_tensors", "replay_weights",
+           "weight_for_backward", "weight_in_backward", "weight_scale", "weight_swapped", "with_colwise"]

@@ -27,7 +27,8 @@ Not batched (cast by cast, as before): calls traced by ``torch.compile`` (the st
 re-registered inside a trace), calls that are not training calls (they record nothing), a plan
 whose casts record one module's column twice (tied weights), and calls outside the fuser's
 autograd function (MoE routing's steps, calls with no gradient). Under an ``amax_reduction_group``
-the newest entries of a direction's columns are reduced in one collective before the update.
+each cast reduces its entry as it records it (:func:`.casting.reduce_amax`), so the batched update
+reads the group's max.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 
 from ..kernels.fp8_delayed import UpdateMany, delayed_undo_ref
 from .casting import _ARMED, _HISTORY, _SCALE, _WATCH, delayed_state
-from .recipes import FP8_MAX, ROLES, amax_reduction_group, fp8_dtype
+from .recipes import FP8_MAX, ROLES, fp8_dtype
 from .tensor import is_float8
 
 
@@ -213,12 +214,8 @@ class DelayedPack:
             owners.append(o)
         if not self._place(learned, owners, device, fuser, capturing):
             return ("none",)
-        group = amax_reduction_group()
-        if group is not None:  # the newest entries (the last casts' amaxes) made the group's max, in one collective
-            newest, idx = self.hist[:, 0, r], learned.idx.long()
-            amax = newest.index_select(0, idx)
-            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
-            newest.index_copy_(0, idx, amax)
+        # (under an amax_reduction_group every cast reduced its entry as it recorded it: the newest
+        # entries are the group's max already)
         learned.update()
         self.updates += 1
         tokens = self.tokens

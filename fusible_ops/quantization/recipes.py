@@ -113,8 +113,8 @@ def autocast(recipe: Any = None, *, amax_reduction_group: Optional[Any] = None):
     wins, and leaving a block restores the outer setting.
 
     ``amax_reduction_group``: a ``torch.distributed`` process group over which amaxes are reduced
-    (max), so every rank of it uses the same scales: delayed scaling's before each scale update
-    (inputs and output gradients); current scaling's for every per-tensor cast (inputs, weights,
+    (max), so every rank of it uses the same scales: delayed scaling's as soon as a cast records
+    them (inputs and output gradients: the state is the same on every rank); current scaling's for every per-tensor cast (inputs, weights,
     output gradients: the backward of a call made inside the block reduces too), so the ranks cast
     as one process holding all their rows would, e.g. the expert-parallel group of a MoE layer.
     Each reduction is a collective: every rank must run the same casts in the same order.
