@@ -29,8 +29,8 @@ What must hold (the contract)
   are honoured) and hands them to autograd.
 * Plans are cached. Rule predicates and checkers may read an op's attributes: assigning any
   attribute of an op (``op.flag = True``, ``op.train()``) bumps its ``state_version``, which is
-  part of the plan key; replacing a parameter by a tensor of the same shape, dtype and device
-  (FSDP2's unshard and reshard) does not (see ``_parameter_swapped``). State a rule reads that is not an attribute assignment (a value inside
+  part of the plan key; replacing a parameter by a tensor of the same shape, dtype and device,
+  or FSDP2's unshard and reshard (in ``param_dtype`` too), does not (see ``_parameter_swapped``). State a rule reads that is not an attribute assignment (a value inside
   a mutable container, a global) must be reported by ``plan_key()``.
   ``dx`` may be ``None`` when ``ctxs[0].input_requires_grad`` is False.
 * A weight that does not require grad costs no weight-gradient work and forward saves nothing
@@ -96,6 +96,17 @@ def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return any(c.__name__ == "DTensor" for c in type(t).__mro__)
+
+
+def _swapped(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether assigning ``new`` over the parameter ``old`` is a swap: a tensor of the same
+    geometry, or FSDP2's swap between the sharded ``DTensor`` and the unsharded tensor, whose dtype
+    is ``MixedPrecisionPolicy.param_dtype`` where one is set."""
+    return _same_geometry(old, new) or (old.shape == new.shape and _is_dtensor(old) != _is_dtensor(new))
+
+
 STATE_EPOCH = [0]
 """Bumped with every op's ``state_version``: a fuser re-reads its ops' versions only when it moved."""
 
@@ -146,10 +157,23 @@ class FusibleOperation(torch.nn.Module):
         params = self.__dict__.get("_parameters")
         old = params.get(name) if params is not None else None
         super().__setattr__(name, value)
-        if old is not None and isinstance(value, torch.Tensor) and _same_geometry(old, value):
+        if old is not None and isinstance(value, torch.Tensor) and _swapped(old, value):
             self._parameter_swapped(name, old, value)  # (no replan: the fuser reads parameters per call)
+            if self._call_dtype_moved(name, old, value):
+                self._bump_state_version()
         else:
             self._bump_state_version()
+
+    def _call_dtype_moved(self, name: str, old: torch.Tensor, new: torch.Tensor) -> bool:
+        """Whether the dtype calls see of parameter ``name`` changed: FSDP2's first unshard in a
+        ``param_dtype`` other than the weights' (a rule may read the dtype); the unshards after it
+        gather that dtype again and the reshards put back a ``DTensor`` no call sees."""
+        seen = self.__dict__.setdefault("_call_dtypes", {})
+        if _is_dtensor(new):
+            seen.setdefault(name, old.dtype)
+            return False
+        before, seen[name] = seen.get(name, old.dtype), new.dtype
+        return before != new.dtype
 
     def _parameter_swapped(self, name: str, old: torch.Tensor, new: torch.Tensor) -> None:
         """A parameter was replaced by another tensor of the same shape, dtype and device, e.g. by

@@ -12,6 +12,7 @@ from .cases import CASES, Bench, BenchContext, routing_splits
 from . import cases_moe, cases_dist  # noqa: F401,E402  (register the moe_layer and distributed cases)
 from . import cases_model, cases_lm, cases_grouped  # noqa: F401,E402  (register dense_layers, moe_layers, lm_head, grouped_gemm)
 from . import cases_hf  # noqa: F401,E402  (register hf_models)
+from . import cases_fsdp  # noqa: F401,E402  (register fsdp_layers)
 from .harness import FIELDS, main, measure_ceilings
 from .timing import Timer, Timing, percentile
 

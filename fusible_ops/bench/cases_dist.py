@@ -3,7 +3,9 @@
 
 Every rank runs the same variants in the same order (each call holds collectives; the timer's
 iteration counts are agreed over the ranks); rank 0 writes the rows, with its own times. Outside
-torchrun (or on one rank) these cases yield nothing.
+torchrun (or on one rank) these cases yield nothing. With ``--device cpu`` the ranks join over gloo.
+``fsdp_layers`` (:mod:`.cases_fsdp`, FSDP2 training steps) is launched the same way and runs at
+one rank too.
 
 * ``tp_mlp``: a sequence-parallel tensor-parallel MLP (``tensor_parallel_mlp``: AllGather ->
   Linear -> SwiGLU -> BasicLinear -> ReduceScatter -> Bias), ``fused`` with the comm-overlap
@@ -152,7 +154,7 @@ def ep_moe(ctx: BenchContext) -> Iterator[Bench]:
     )
 
 
-DIST_CASES = ("tp_mlp", "ep_moe")
+DIST_CASES = ("tp_mlp", "ep_moe", "fsdp_layers")  # (what a torchrun run without case names runs)
 CASES.update({  # (registered into the harness's catalogue when fusible_ops.bench is imported)
     "tp_mlp": Case("torchrun only: tensor-parallel MLP, comm-overlap rules vs none; "
                    "T=%d H=%d F=%d" % TP_SHAPE, tp_mlp),

@@ -352,24 +352,33 @@ def float64_reference(plain: nn.Module, log: Optional[RoutingLog] = None) -> Cal
     return reference
 
 
+def torchao_float8(ctx: BenchContext):
+    """(``torchao.float8``, "") where its peers can run here, else (None, why not): CPU, no FP8
+    matmuls, ``--no-compile`` (the peers are compiled), torchao not importable."""
+    if ctx.device.type != "cuda" or not _fp8_capable(ctx):
+        return None, "torchao float8 peers need a CUDA GPU with FP8 matmuls (8.9+)"
+    if not ctx.compile:
+        return None, "torchao float8 peers skipped (--no-compile)"
+    try:
+        import torchao.float8 as float8
+    except ImportError as e:
+        return None, f"torchao float8 peers skipped: torchao not importable ({e})"
+    return float8, ""
+
+
 def torchao_variants(ctx: BenchContext, plain: nn.Module) -> tuple[dict, str]:
     """``torchao_{tensorwise,rowwise}_compile``: a copy of ``plain`` sharing its parameters,
     converted by ``torchao.float8.convert_to_float8_training`` and compiled; ({}, why) where they
-    cannot run (CPU, no FP8 matmuls, ``--no-compile``, torchao not importable)."""
-    if ctx.device.type != "cuda" or not _fp8_capable(ctx):
-        return {}, "torchao float8 peers need a CUDA GPU with FP8 matmuls (8.9+)"
-    if not ctx.compile:
-        return {}, "torchao float8 peers skipped (--no-compile)"
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError:
-        return {}, "torchao float8 peers skipped: torchao not importable"
+    cannot run (:func:`torchao_float8`)."""
+    float8, why = torchao_float8(ctx)
+    if float8 is None:
+        return {}, why
     import copy
 
     out = {}
     for recipe in ("tensorwise", "rowwise"):
         model = copy.deepcopy(plain, {id(p): p for p in plain.parameters()})
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe))
+        float8.convert_to_float8_training(model, config=float8.Float8LinearConfig.from_recipe_name(recipe))
         out[f"torchao_{recipe}_compile"] = ctx.compiled(model)
     return out, ""
 

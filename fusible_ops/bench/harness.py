@@ -417,7 +417,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .host import main as host_main
 
         return host_main(args)
-    rank = _init_distributed()
+    rank = _init_distributed(args.device)
     from .cases_dist import DIST_CASES, distributed
 
     selected: list[tuple[str, Optional[str]]] = []
@@ -429,7 +429,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         selected.append((name, config or None))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if distributed():
+    if distributed() and torch.distributed.get_backend() == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -534,15 +534,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 1 if n_failed else 0
 
 
-def _init_distributed() -> int:
-    """Under torchrun (WORLD_SIZE > 1): join the NCCL group on this process's GPU. Returns the rank."""
+def _init_distributed(device: Optional[str]) -> int:
+    """Under torchrun (WORLD_SIZE > 1): join the NCCL group on this process's GPU, or with
+    ``--device cpu`` (or no GPU) the gloo group on the CPU. Returns the rank."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
+        if (device or "").startswith("cpu") or not torch.cuda.is_available():
+            dist.init_process_group("gloo")
+        else:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl")
     return dist.get_rank()
 
 
@@ -550,7 +554,7 @@ def _agree_counts(n_warm: int, n_rep: int) -> tuple[int, int]:
     """The largest warm-up and timed iteration counts of all ranks (calls hold collectives)."""
     import torch.distributed as dist
 
-    t = torch.tensor([n_warm, n_rep], device="cuda")
+    t = torch.tensor([n_warm, n_rep], device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t[0]), int(t[1])
 

@@ -32,7 +32,7 @@ FAMILIES = [
     ("Model stacks (attention + blocks, bf16 and FP8)", ("dense_layers", "moe_layers")),
     ("LM head", ("lm_head",)),
     ("Hugging Face models (training step)", ("hf_models",)),
-    ("Distributed (torchrun)", ("tp_mlp", "ep_moe")),
+    ("Distributed (torchrun)", ("tp_mlp", "ep_moe", "fsdp_layers")),
 ]
 """(title, cases) of each table, in page order; cases of no family go to a last "Other" table."""
 

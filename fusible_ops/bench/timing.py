@@ -157,6 +157,8 @@ class Timer:
         self._call(fn)
         est = (time.perf_counter() - t0) * 1e3
         n_warm, n_rep = self._counts(est, MIN_REP_ITERS_CPU)
+        if self.agree is not None:
+            n_warm, n_rep = self.agree(n_warm, n_rep)
         for _ in range(n_warm):
             self._call(fn)
         times = []
