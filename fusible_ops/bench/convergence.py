@@ -148,8 +148,10 @@ VARIANTS = {
                                            diagnostic=True),
     "ours_fp8_delayed_e4m3": Variant("dense", False, functools.partial(fo.Float8DelayedScaling, fp8_format="e4m3"),
                                      diagnostic=True),
+    "ours_fp8_delayed_bf16head": Variant("dense", False, fo.Float8DelayedScaling, head_fp8=False, diagnostic=True),
     "moe_fp8_e4m3": Variant("moe", False, functools.partial(fo.Float8CurrentScaling, fp8_format="e4m3"),
                             diagnostic=True),
+    "moe_fp8_bf16head": Variant("moe", False, fo.Float8CurrentScaling, head_fp8=False, diagnostic=True),
 }
 """Every variant, in run order (a reference before the variants judged against it). A plain run
 trains those without ``diagnostic``; the diagnostics (named in ``--variants``) each change one

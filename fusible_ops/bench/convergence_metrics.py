@@ -23,7 +23,9 @@ REFERENCES = {
     "ours_fp8_current_bf16head": "ours_bf16",
     "ours_fp8_current_refkernels": "ours_bf16",
     "ours_fp8_delayed_e4m3": "ours_bf16",
+    "ours_fp8_delayed_bf16head": "ours_bf16",
     "moe_fp8_e4m3": "moe_bf16",
+    "moe_fp8_bf16head": "moe_bf16",
 }
 """The run each variant is judged against (``torch_bf16`` and ``moe_bf16`` are references only;
 the diagnostics of :data:`.convergence.VARIANTS` against the reference of the variant they vary)."""
