@@ -46,7 +46,7 @@ import torch
 from ..grad import deliver_weight_grad, scheduler_active
 from ..kernels.cross_entropy import ce_grad_, ce_loss, ce_loss_grad_
 from ..kernels.fp8_gemm import fp8_gemm
-from ..kernels.gemm import linear_fprop, linear_wgrad
+from ..kernels.gemm import linear_fprop, linear_fprop_again, linear_wgrad_chain
 from ..op import FusedOperation
 from ..ops.fp8_linear import check_dims
 from ..ops.linear import BasicLinear
@@ -176,7 +176,7 @@ class LinearCrossEntropy(FusedOperation):
         pending_dx = [dx is not None]  # (filled by the first pass over the chunks, whichever it is)
 
         def dlogits(s: int):  # the chunk's logits gradient as its two GEMMs read it
-            d = ce_grad_(gemms.logits(s, s + step), t[s:s + step], lse[s:s + step], g[s:s + step], opts)
+            d = ce_grad_(gemms.logits(s, s + step, again=True), t[s:s + step], lse[s:s + step], g[s:s + step], opts)
             return gemms.prepare(d)
 
         def compute(out, acc):  # the weight gradient (and dx, when this is the first pass)
@@ -237,8 +237,9 @@ class _HighPrecision:
     def tensors(self) -> tuple:
         return self.x2, self.w
 
-    def logits(self, s: int, e: int) -> torch.Tensor:
-        return linear_fprop(self.x2[s:e], self.w)
+    def logits(self, s: int, e: int, again: bool = False) -> torch.Tensor:
+        # (again: backward's recompute, which torch.compile must not merge with forward's GEMM)
+        return (linear_fprop_again if again else linear_fprop)(self.x2[s:e], self.w)
 
     def prepare(self, d: torch.Tensor):
         return d
@@ -248,7 +249,7 @@ class _HighPrecision:
 
     def add_wgrad(self, dw: torch.Tensor, d, s: int, e: int, first: bool = False) -> None:
         # (the dense GEMM seam: one GEMM writes or adds into dw, an fp32 main_grad too, no temporary)
-        linear_wgrad(d, self.x2[s:e], out=dw, accumulate=not first)
+        linear_wgrad_chain(d, self.x2[s:e], dw, not first)
 
 
 class _Fp8:
@@ -271,7 +272,7 @@ class _Fp8:
         """From :meth:`state` and the saved :meth:`tensors` (pairs; None where not made)."""
         return _Fp8(*state, *[None if parts[i] is None else (parts[i], parts[i + 1]) for i in range(0, 8, 2)])
 
-    def logits(self, s: int, e: int) -> torch.Tensor:
+    def logits(self, s: int, e: int, again: bool = False) -> torch.Tensor:
         data, inv = self.x_rows
         return fp8_gemm((data[s:e], inv), self.w_rows, "tensor", "tensor", self.dtype)
 

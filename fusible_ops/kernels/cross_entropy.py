@@ -195,6 +195,8 @@ def ce_loss(x: torch.Tensor, t: torch.Tensor, opts: tuple) -> tuple[torch.Tensor
     """fp32 ``(loss, lse)`` per row of logits ``x [rows, V]`` against targets ``t [rows]``."""
     if use_triton(x):
         return _ce_loss_op(_rows_cols(x), t, *opts)
+    if _is_compiling():  # (the twin as one opaque op: see _ce_loss_grad_ref_op)
+        return _ce_loss_ref_op(x, t, *opts)
     return ce_loss_ref(x, t, opts)
 
 
@@ -210,18 +212,61 @@ def ce_loss_grad_(x: torch.Tensor, t: torch.Tensor, g: torch.Tensor, opts: tuple
     (which must have column stride 1)."""
     if use_triton(x):
         return _ce_loss_grad_op(x, t, g, *opts)
-    loss, lse = ce_loss_ref(x, t, opts)
-    x.copy_(ce_grad_ref(x, t, lse, g, opts))
-    return loss, lse
+    if _is_compiling():  # (the twin as one opaque op: see _ce_loss_grad_ref_op)
+        return _ce_loss_grad_ref_op(x, t, g, *opts)
+    return _ce_loss_grad_ref(x, t, g, opts)
 
 
 def ce_grad_(x: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, opts: tuple) -> torch.Tensor:
     """The gradient written over ``x`` (column stride 1); returns ``x``."""
     if use_triton(x):
         _ce_grad_inplace_op(x, t, lse, g, *opts)
+    elif _is_compiling():
+        _ce_grad_inplace_ref_op(x, t, lse, g, *opts)
     else:
         x.copy_(ce_grad_ref(x, t, lse, g, opts))
     return x
+
+
+# The head's entry points' torch twins as custom ops, for traced calls (torch.compile) only: traced
+# as plain torch ops, inductor fuses each chunk's ``z[target]`` gather of the chunked linear +
+# cross-entropy head into the final loss reduction, so every chunk's logits stay alive at once
+# (tests/test_compile_head_memory.py); opaque, each chunk's buffer is done with before the next
+# chunk's logits, as with the Triton kernels.
+_is_compiling = torch.compiler.is_compiling
+
+
+def _ce_loss_grad_ref(x, t, g, opts):
+    loss, lse = ce_loss_ref(x, t, opts)
+    x.copy_(ce_grad_ref(x, t, lse, g, opts))
+    return loss, lse
+
+
+@torch.library.custom_op("fusible_ops::ce_loss_ref", mutates_args=())
+def _ce_loss_ref_op(x: torch.Tensor, t: torch.Tensor, ignore_index: int, eps: float, zl: float,
+                    cap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    return ce_loss_ref(x, t, (ignore_index, eps, zl, cap))
+
+
+@torch.library.custom_op("fusible_ops::ce_loss_grad_ref_", mutates_args=("x",))
+def _ce_loss_grad_ref_op(x: torch.Tensor, t: torch.Tensor, g: torch.Tensor, ignore_index: int, eps: float,
+                         zl: float, cap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ce_loss_grad_ref(x, t, g, (ignore_index, eps, zl, cap))
+
+
+def _ref_rows_fake(x, *args):
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return x.new_empty(x.shape[0], dtype=acc), x.new_empty(x.shape[0], dtype=acc)
+
+
+_ce_loss_ref_op.register_fake(_ref_rows_fake)
+_ce_loss_grad_ref_op.register_fake(_ref_rows_fake)
+
+
+@torch.library.custom_op("fusible_ops::ce_grad_ref_", mutates_args=("x",))
+def _ce_grad_inplace_ref_op(x: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
+                            ignore_index: int, eps: float, zl: float, cap: Optional[float]) -> None:
+    x.copy_(ce_grad_ref(x, t, lse, g, (ignore_index, eps, zl, cap)))
 
 
 def _softcap(z: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
