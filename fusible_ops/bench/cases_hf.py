@@ -65,7 +65,7 @@ import torch
 import fusible_ops as fo
 
 from .cases import CASES, FP8_REL_ERR, Bench, BenchContext, Case, Lazy
-from .cases_model import _fp8_capable
+from .cases_model import _fp8_capable, torchao_float8
 from .common import free_memory, is_fp8_variant, log
 from .harness import REL_ERR_TOL
 
@@ -394,15 +394,11 @@ def _liger_apply(ctx: BenchContext, arch: str) -> tuple[Optional[Callable], str]
 
 
 def _torchao_convert(ctx: BenchContext) -> tuple[Optional[Callable], str]:
-    if ctx.device.type != "cuda" or not _fp8_capable(ctx):
-        return None, "torchao float8 needs a CUDA GPU with FP8 matmuls (8.9+)"
-    if not ctx.compile:
-        return None, "torchao float8 skipped (--no-compile)"
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError as e:
-        return None, f"torchao float8 skipped: torchao not importable ({e})"
-    return (lambda model: convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"))), ""
+    float8, why = torchao_float8(ctx)
+    if float8 is None:
+        return None, why
+    config = float8.Float8LinearConfig.from_recipe_name("tensorwise")
+    return (lambda model: float8.convert_to_float8_training(model, config=config)), ""
 
 
 def _variants(ctx: BenchContext, run: _ModelRun) -> tuple[dict, dict]:
